@@ -1,0 +1,180 @@
+use serde_json::json;
+
+use super::*;
+
+fn headers(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+}
+
+fn chat(turns: usize) -> serde_json::Value {
+    let mut messages = vec![json!({"role": "system", "content": "You are a coding agent. ".repeat(40)})];
+    for turn in 0..turns {
+        messages.push(json!({"role": "user", "content": format!("step {turn}: read src/lib{turn}.rs")}));
+        messages.push(json!({"role": "assistant", "content": format!("done with step {turn} ").repeat(8)}));
+    }
+    json!({"model": "qwen", "messages": messages, "stream": true, "temperature": 0.2})
+}
+
+fn understood(body: &serde_json::Value, hdrs: &[(&str, &str)]) -> Understood {
+    let bytes = serde_json::to_vec(body).unwrap();
+    understand(Api::ChatCompletions, &headers(hdrs), &bytes, &FilterConfig::default()).unwrap()
+}
+
+#[test]
+fn growing_conversation_keeps_every_full_block_of_the_previous_call() {
+    let mut previous = understood(&chat(1), &[]).hashes;
+    for turns in 2..20 {
+        let current = understood(&chat(turns), &[]).hashes;
+        let full = previous.hashes.len() - usize::from(previous.last_partial);
+        assert!(full > 0);
+        assert_eq!(previous.hashes[..full], current.hashes[..full], "turn {turns}");
+        assert!(current.stream_bytes > previous.stream_bytes);
+        previous = current;
+    }
+}
+
+#[test]
+fn fields_outside_the_prompt_and_key_order_do_not_change_hashes() {
+    let a = understood(&chat(3), &[]).hashes;
+    let mut other = chat(3);
+    other["temperature"] = json!(0.9);
+    other["stream"] = json!(false);
+    other["max_tokens"] = json!(77);
+    other["metadata"] = json!({"x": 1});
+    assert_eq!(a, understood(&other, &[]).hashes);
+
+    let reordered: serde_json::Value =
+        serde_json::from_str(r#"{"messages":[{"content":"hi","role":"user"}],"model":"qwen"}"#).unwrap();
+    let plain = json!({"model": "qwen", "messages": [{"role": "user", "content": "hi"}]});
+    assert_eq!(understood(&reordered, &[]).hashes, understood(&plain, &[]).hashes);
+}
+
+#[test]
+fn a_changed_system_prompt_breaks_the_chain_from_its_block_on() {
+    let a = understood(&chat(3), &[]).hashes;
+    let mut other = chat(3);
+    other["messages"][0]["content"] = json!(format!("Today is Monday. {}", "You are a coding agent. ".repeat(40)));
+    let b = understood(&other, &[]).hashes;
+    assert_ne!(a.hashes[0], b.hashes[0]);
+}
+
+#[test]
+fn tenants_models_and_cache_salts_never_share_hashes() {
+    let base = understood(&chat(2), &[("x-kvmesh-tenant", "a")]).hashes.hashes;
+    let other_tenant = understood(&chat(2), &[("x-kvmesh-tenant", "b")]).hashes.hashes;
+    let mut other_model = chat(2);
+    other_model["model"] = json!("llama");
+    let mut salted = chat(2);
+    salted["cache_salt"] = json!("s1");
+    for other in [
+        other_tenant,
+        understood(&other_model, &[("x-kvmesh-tenant", "a")]).hashes.hashes,
+        understood(&salted, &[("x-kvmesh-tenant", "a")]).hashes.hashes,
+    ] {
+        assert!(base.iter().all(|h| !other.contains(h)));
+    }
+}
+
+#[test]
+fn blocks_are_cut_at_block_bytes_with_a_flagged_partial_tail() {
+    let seed = salt("", "m", "");
+    let exact = block_hashes(&seed, &[7u8; 512], 256, 100);
+    assert_eq!((exact.hashes.len(), exact.last_partial, exact.truncated), (2, false, false));
+    let tail = block_hashes(&seed, &[7u8; 513], 256, 100);
+    assert_eq!((tail.hashes.len(), tail.last_partial), (3, true));
+    assert_eq!(tail.hashes[..2], exact.hashes[..]);
+    let capped = block_hashes(&seed, &[7u8; 2560], 256, 4);
+    assert_eq!((capped.hashes.len(), capped.truncated, capped.stream_bytes), (4, true, 2560));
+    // Equal blocks at different positions hash differently: the chain carries position.
+    assert_ne!(exact.hashes[0], exact.hashes[1]);
+    assert!(block_hashes(&seed, b"", 256, 4).hashes.is_empty());
+}
+
+#[test]
+fn session_ids_follow_the_configured_order() {
+    let body = json!({"model": "m", "messages": [], "prompt_cache_key": "pck", "user": "u"});
+    let id = |h: &[(&str, &str)]| understood(&body, h).identity;
+    assert_eq!(id(&[("x-session-id", "oc"), ("x-claude-code-session-id", "cc")]).session_id, "cc");
+    assert_eq!(id(&[("session-id", "codex")]).session_id, "codex");
+    assert_eq!(id(&[]).session_id, "pck");
+    let codex = id(&[("session-id", "root"), ("thread-id", "child"), ("x-codex-parent-thread-id", "root")]);
+    assert_eq!((codex.agent_id.as_str(), codex.parent_id.as_str()), ("child", "root"));
+    assert_eq!(id(&[("session-id", "root"), ("thread-id", "root")]).agent_id, "");
+    assert!(id(&[("x-dynamo-session-final", "true")]).session_final);
+}
+
+#[test]
+fn anthropic_user_id_yields_the_session_in_both_forms() {
+    let legacy = json!({"model": "m", "messages": [], "metadata": {"user_id": "user_abc_account_1234_session_5f1e"}});
+    let modern = json!({"model": "m", "messages": [],
+        "metadata": {"user_id": "{\"device_id\":\"d\",\"account_uuid\":\"a\",\"session_id\":\"77aa\"}"}});
+    let id = |body: &serde_json::Value| {
+        let bytes = serde_json::to_vec(body).unwrap();
+        understand(Api::Messages, &headers(&[]), &bytes, &FilterConfig::default()).unwrap().identity.session_id
+    };
+    assert_eq!(id(&legacy), "5f1e");
+    assert_eq!(id(&modern), "77aa");
+}
+
+#[test]
+fn tenant_from_a_credential_is_a_hash_never_the_key() {
+    let t = understood(&chat(1), &[("authorization", "Bearer sk-secret")]).identity.tenant;
+    assert!(t.starts_with("key:") && !t.contains("secret") && t.len() == 20, "{t}");
+    let other = understood(&chat(1), &[("authorization", "Bearer sk-other")]).identity.tenant;
+    assert_ne!(t, other);
+}
+
+#[test]
+fn invalid_or_misshapen_bodies_are_not_understood_and_never_panic() {
+    let cfg = FilterConfig::default();
+    let none = headers(&[]);
+    let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+    for body in [&b"{"[..], b"", b"\xff\xfe", deep.as_bytes(), b"[1,2]", b"{\"messages\": 3}"] {
+        assert!(understand(Api::ChatCompletions, &none, body, &cfg).is_err());
+    }
+    assert_eq!(
+        understand(Api::Completions, &none, br#"{"prompt": 5}"#, &cfg),
+        Err(NotUnderstood::Shape(CanonicalError::MissingField("prompt")))
+    );
+}
+
+#[test]
+fn every_api_has_a_canonical_stream() {
+    let cfg = FilterConfig::default();
+    let none = headers(&[]);
+    for (path, body) in [
+        ("/v1/chat/completions", r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#),
+        ("/v1/completions?x=1", r#"{"model":"m","prompt":["a","b"]}"#),
+        ("/v1/responses", r#"{"model":"m","instructions":"be brief","input":[{"role":"user","content":"hi"}]}"#),
+        ("/v1/messages", r#"{"model":"m","system":[{"type":"text","text":"sys"}],"messages":[{"role":"user","content":"hi"}]}"#),
+    ] {
+        let api = Api::from_path(path).unwrap();
+        let got = understand(api, &none, body.as_bytes(), &cfg).unwrap();
+        assert_eq!(got.model, "m");
+        assert!(!got.hashes.hashes.is_empty(), "{path}");
+    }
+    assert_eq!(Api::from_path("/v1/models"), None);
+    assert_eq!(Api::from_path("/v1/embeddings"), None);
+}
+
+#[test]
+fn expected_output_and_stream_hints_are_read() {
+    let mut body = chat(1);
+    body["max_tokens"] = json!(300);
+    let got = understood(&body, &[]);
+    assert_eq!((got.stream, got.expected_output_tokens), (true, Some(300)));
+}
+
+#[test]
+fn configuration_errors_name_the_field() {
+    let err = |json: &str| FilterConfig::from_json(json.as_bytes()).unwrap_err().field;
+    assert_eq!(err(r#"{"sidecar_timeout_ms": "fast"}"#), "sidecar_timeout_ms");
+    assert_eq!(err(r#"{"sidecar_timeout_ms": 0}"#), "sidecar_timeout_ms");
+    assert_eq!(err(r#"{"block_bytes": 3}"#), "block_bytes");
+    assert_eq!(err(r#"{"session_headers": ["X-Bad Name"]}"#), "session_headers");
+    assert_eq!(err(r#"{"sidecar_clustr": "x"}"#), "sidecar_clustr");
+    assert!(err("[").contains("root"));
+    assert_eq!(FilterConfig::from_json(b"").unwrap(), FilterConfig::default());
+    let cfg = FilterConfig::from_json(br#"{"sidecar_timeout_ms": 120, "block_bytes": 64}"#).unwrap();
+    assert_eq!((cfg.sidecar_timeout_ms, cfg.block_bytes), (120, 64));
+}

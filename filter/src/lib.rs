@@ -1,0 +1,285 @@
+//! The kvmesh proxy-wasm HTTP filter: thin glue between Envoy and the pure
+//! `kvmesh-request` crate. Per request it strips client routing headers,
+//! buffers the body, hashes its canonical prefix, asks the sidecar for a
+//! destination over gRPC and sets `x-kvmesh-destination`. Every error path
+//! fails open: the request continues unchanged and Envoy balances it.
+#![forbid(unsafe_code)]
+
+mod metrics;
+
+use std::rc::Rc;
+use std::time::{Duration, SystemTime};
+
+use kvmesh_proto::{method, v1};
+use kvmesh_request::{Api, DESTINATION_HEADER, FilterConfig, Understood};
+use log::{debug, info, warn};
+use prost::Message;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, ContextType, LogLevel};
+
+use crate::metrics::{FailOpen, Metrics};
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+}}
+
+/// One per Envoy worker thread: holds the validated configuration.
+#[derive(Default)]
+struct Root {
+    shared: Option<Rc<Shared>>,
+}
+
+/// What every request context of a thread reads: config and metric ids.
+#[derive(Debug)]
+struct Shared {
+    config: FilterConfig,
+    metrics: Metrics,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let raw = self.get_plugin_configuration().unwrap_or_default();
+        match FilterConfig::from_json(&raw) {
+            Ok(config) => {
+                info!(
+                    "kvmesh filter configured: sidecar cluster {:?}, timeout {} ms, {}-byte blocks",
+                    config.sidecar_cluster, config.sidecar_timeout_ms, config.block_bytes
+                );
+                self.shared = Some(Rc::new(Shared {
+                    config,
+                    metrics: Metrics::define(),
+                }));
+                true
+            }
+            Err(err) => {
+                // Returning false makes Envoy reject the configuration; the
+                // log line names the field to fix.
+                warn!("{err}");
+                false
+            }
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let shared = self.shared.clone()?;
+        Some(Box::new(RequestFilter {
+            shared,
+            state: State::PassThrough,
+            api: None,
+            path: String::new(),
+            started: None,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// Where one request is in the filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Not ours (or given up): never paused again.
+    PassThrough,
+    /// Headers held while the body buffers.
+    Buffering,
+    /// Waiting for the sidecar's Pick.
+    AwaitingPick,
+}
+
+struct RequestFilter {
+    shared: Rc<Shared>,
+    state: State,
+    api: Option<Api>,
+    path: String,
+    started: Option<SystemTime>,
+}
+
+impl RequestFilter {
+    fn config(&self) -> &FilterConfig {
+        &self.shared.config
+    }
+
+    /// Removes every header a client could use to steer routing.
+    fn strip_routing_headers(&self) {
+        if self.get_http_request_header(DESTINATION_HEADER).is_some() {
+            self.shared.metrics.inc(self.shared.metrics.forged_destination);
+            self.set_http_request_header(DESTINATION_HEADER, None);
+        }
+        for name in &self.config().strip_headers {
+            self.set_http_request_header(name, None);
+        }
+    }
+
+    fn is_json(&self) -> bool {
+        match self.get_http_request_header("content-type") {
+            // Agents always send a content type; without one, try the body.
+            None => true,
+            Some(value) => {
+                let essence = value.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+                essence == "application/json" || essence.ends_with("+json")
+            }
+        }
+    }
+
+    fn fail_open(&mut self, why: FailOpen) -> Action {
+        self.shared.metrics.fail_open(why);
+        self.state = State::PassThrough;
+        Action::Continue
+    }
+
+    fn pick_request(&self, understood: Understood) -> v1::PickRequest {
+        let Understood {
+            model,
+            identity,
+            hashes,
+            stream,
+            expected_output_tokens,
+            ..
+        } = understood;
+        v1::PickRequest {
+            block_hashes: hashes.hashes,
+            last_block_partial: hashes.last_partial,
+            block_bytes: u32::try_from(self.config().block_bytes).unwrap_or(u32::MAX),
+            prompt_bytes: hashes.stream_bytes,
+            session_id: identity.session_id,
+            parent_id: identity.parent_id,
+            agent_id: identity.agent_id,
+            tenant: identity.tenant,
+            model,
+            path: self.path.clone(),
+            expected_output_tokens,
+            stream,
+            session_final: identity.session_final,
+        }
+    }
+
+    fn ask_sidecar(&mut self, body: &[u8]) -> Action {
+        let Some(api) = self.api else {
+            return self.fail_open(FailOpen::NotUnderstood);
+        };
+        let headers = self.get_http_request_headers();
+        let understood = match kvmesh_request::understand(api, &headers, body, self.config()) {
+            Ok(understood) => understood,
+            Err(err) => {
+                debug!("kvmesh: {} request not routed on content: {err}", api.name());
+                return self.fail_open(FailOpen::NotUnderstood);
+            }
+        };
+        if understood.hashes.truncated {
+            self.shared.metrics.inc(self.shared.metrics.blocks_capped);
+        }
+        let message = self.pick_request(understood).encode_to_vec();
+        let timeout = Duration::from_millis(self.config().sidecar_timeout_ms);
+        let cluster = self.config().sidecar_cluster.clone();
+        match self.dispatch_grpc_call(&cluster, method::SERVICE, method::PICK, Vec::new(), Some(&message), timeout) {
+            Ok(_token) => {
+                self.state = State::AwaitingPick;
+                Action::Pause
+            }
+            Err(status) => {
+                debug!("kvmesh: cannot call sidecar cluster {cluster:?}: {status:?}");
+                self.fail_open(FailOpen::Dispatch)
+            }
+        }
+    }
+
+    fn apply_pick(&mut self, status_code: u32, response_size: usize) {
+        if status_code != 0 {
+            // Envoy reports a callout timeout as UNAVAILABLE (14), like a
+            // refused connection; the elapsed time tells them apart.
+            let waited = self
+                .started
+                .and_then(|t| self.get_current_time().duration_since(t).ok())
+                .unwrap_or_default();
+            let why = if waited >= Duration::from_millis(self.config().sidecar_timeout_ms) {
+                FailOpen::Timeout
+            } else {
+                FailOpen::SidecarError
+            };
+            debug!("kvmesh: Pick failed with gRPC status {status_code} after {waited:?}");
+            self.shared.metrics.fail_open(why);
+            return;
+        }
+        let reply = self
+            .get_grpc_call_response_body(0, response_size)
+            .and_then(|bytes| v1::PickReply::decode(bytes.as_slice()).ok());
+        let Some(reply) = reply else {
+            self.shared.metrics.fail_open(FailOpen::BadReply);
+            return;
+        };
+        let destinations: Vec<&str> = reply
+            .destinations
+            .iter()
+            .map(String::as_str)
+            .filter(|d| is_host_port(d))
+            .collect();
+        if destinations.is_empty() {
+            self.shared.metrics.fail_open(FailOpen::NoDestination);
+            return;
+        }
+        self.set_http_request_header(DESTINATION_HEADER, Some(&destinations.join(",")));
+        self.shared.metrics.inc(self.shared.metrics.picks);
+    }
+}
+
+impl Context for RequestFilter {
+    fn on_grpc_call_response(&mut self, _token_id: u32, status_code: u32, response_size: usize) {
+        if self.state != State::AwaitingPick {
+            return;
+        }
+        self.apply_pick(status_code, response_size);
+        self.state = State::PassThrough;
+        self.resume_http_request();
+    }
+}
+
+impl HttpContext for RequestFilter {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.strip_routing_headers();
+        let method = self.get_http_request_header(":method").unwrap_or_default();
+        self.path = self.get_http_request_header(":path").unwrap_or_default();
+        self.api = Api::from_path(&self.path);
+        if method != "POST" || self.api.is_none() || end_of_stream || !self.is_json() {
+            self.shared.metrics.inc(self.shared.metrics.passed_through);
+            return Action::Continue;
+        }
+        self.started = Some(self.get_current_time());
+        self.state = State::Buffering;
+        // Needs `allow_on_headers_stop_iteration: true` in the Wasm filter
+        // config, or Envoy never delivers the body and the request hangs.
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.state != State::Buffering {
+            return Action::Continue;
+        }
+        if body_size > self.config().max_body_bytes {
+            debug!("kvmesh: body over {} bytes, not routed on content", self.config().max_body_bytes);
+            return self.fail_open(FailOpen::BodyTooLarge);
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = self.get_http_request_body(0, body_size).unwrap_or_default();
+        self.ask_sidecar(&body)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // Inference APIs carry no trailers; never hold such a request.
+        if self.state == State::Buffering {
+            return self.fail_open(FailOpen::NotUnderstood);
+        }
+        Action::Continue
+    }
+}
+
+/// `ip:port` or `[v6]:port`: the only forms `override_host` matches. A
+/// sidecar reply with anything else is ignored rather than forwarded.
+fn is_host_port(value: &str) -> bool {
+    value.parse::<std::net::SocketAddr>().is_ok()
+}

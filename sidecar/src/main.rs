@@ -1,0 +1,110 @@
+//! `kvmesh-sidecar`: loads its settings, builds the router, serves gRPC and
+//! admin HTTP, and prints the addresses it bound.
+#![forbid(unsafe_code)]
+
+mod admin;
+mod config;
+mod metrics;
+mod service;
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use kvmesh_core::{Router, RouterConfig};
+use kvmesh_proto::v1::router_server::RouterServer;
+use tokio::net::TcpListener;
+use tracing::{error, info};
+
+use crate::config::{Args, Settings};
+use crate::metrics::Metrics;
+use crate::service::{RouterService, Shared};
+
+fn main() -> ExitCode {
+    let settings = match Settings::resolve(Args::parse()) {
+        Ok(settings) => settings,
+        Err(err) => {
+            eprintln!("kvmesh-sidecar: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&settings.log).unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(err) => {
+            eprintln!("kvmesh-sidecar: cannot start the runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve(settings)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            error!("{err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(settings: Settings) -> anyhow::Result<()> {
+    let router = Router::new(
+        RouterConfig {
+            worker_capacity_blocks: settings.worker_capacity_blocks,
+            ..RouterConfig::default()
+        },
+        settings.workers.iter().map(ToString::to_string),
+    );
+    let shared = Shared::new(router, Metrics::new());
+
+    let grpc = TcpListener::bind(settings.grpc_listen)
+        .await
+        .with_context(|| format!("binding gRPC on {}", settings.grpc_listen))?;
+    let admin = TcpListener::bind(settings.admin_listen)
+        .await
+        .with_context(|| format!("binding admin HTTP on {}", settings.admin_listen))?;
+    let grpc_addr = grpc.local_addr()?;
+    let admin_addr = admin.local_addr()?;
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<RouterServer<RouterService>>().await;
+
+    let grpc_server = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(RouterServer::new(RouterService::new(shared.clone())))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), shutdown_signal());
+    let admin_server = axum::serve(admin, admin::routes(shared)).with_graceful_shutdown(shutdown_signal());
+
+    info!(
+        workers = settings.workers.len(),
+        capacity_blocks = settings.worker_capacity_blocks,
+        "kvmesh-sidecar serving gRPC on {grpc_addr}, admin HTTP on {admin_addr}"
+    );
+    // Machine-readable line for scripts and tests that bind port 0.
+    println!("kvmesh-sidecar listening grpc={grpc_addr} admin={admin_addr}");
+
+    let (grpc_result, admin_result) = tokio::join!(grpc_server, async { admin_server.await });
+    grpc_result.context("gRPC server")?;
+    admin_result.context("admin server")?;
+    info!("kvmesh-sidecar stopped");
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM, so both servers drain and stop.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(_) => return interrupt.await.unwrap_or(()),
+        };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+}

@@ -1,1 +1,226 @@
-fn main() {}
+//! `kvmesh-sim`: a simulated GPU inference worker. It speaks the OpenAI chat
+//! completions API (JSON and SSE), keeps its own prefix cache over its own
+//! token blocks (it knows nothing of kvmesh's hashes), reports `usage` with
+//! cached tokens the way vLLM does, and exposes vLLM-named `/metrics`.
+//!
+//! Timing is a first model: prefill time proportional to uncached prompt
+//! tokens and a fixed time per output token, both scaled by `--time-scale`.
+#![forbid(unsafe_code)]
+
+mod engine;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use clap::Parser;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::engine::{Engine, EngineConfig, Served};
+
+/// kvmesh-sim: a simulated OpenAI-compatible GPU worker with a prefix cache.
+#[derive(Debug, Parser)]
+#[command(name = "kvmesh-sim", version, about)]
+struct Args {
+    /// Address to serve on; port 0 picks a free one (printed on stdout).
+    #[arg(long, default_value = "127.0.0.1:8000", env = "KVMESH_SIM_LISTEN")]
+    listen: SocketAddr,
+    /// Name reported in responses [default: the bound address].
+    #[arg(long, env = "KVMESH_SIM_NAME")]
+    name: Option<String>,
+    /// KV cache capacity in tokens (a 30B model on one 80 GB GPU holds a few
+    /// hundred thousand).
+    #[arg(long, default_value_t = 200_000)]
+    capacity_tokens: u64,
+    /// Prefill cost per uncached prompt token, in microseconds.
+    #[arg(long, default_value_t = 50.0)]
+    prefill_us_per_token: f64,
+    /// Decode cost per output token, in milliseconds.
+    #[arg(long, default_value_t = 2.0)]
+    decode_ms_per_token: f64,
+    /// Multiplies every simulated duration (0 = instant).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Output tokens when the request gives no max_tokens.
+    #[arg(long, default_value_t = 16)]
+    default_output_tokens: u32,
+}
+
+#[derive(Debug, Clone)]
+struct App {
+    name: Arc<str>,
+    engine: Arc<Mutex<Engine>>,
+    args: Arc<Args>,
+}
+
+impl App {
+    fn engine(&self) -> std::sync::MutexGuard<'_, Engine> {
+        self.engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn scaled(&self, duration: Duration) -> Duration {
+        duration.mul_f64(self.args.time_scale.max(0.0))
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt().with_writer(std::io::stderr).init();
+    let args = Args::parse();
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let addr = listener.local_addr()?;
+    let name: Arc<str> = args.name.clone().unwrap_or_else(|| addr.to_string()).into();
+    let engine = Engine::new(EngineConfig {
+        capacity_tokens: args.capacity_tokens,
+    });
+    let app = App {
+        name: name.clone(),
+        engine: Arc::new(Mutex::new(engine)),
+        args: Arc::new(args),
+    };
+    let routes = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/health", get(|| async { "ok" }))
+        .fallback(fallback)
+        .with_state(app);
+    println!("kvmesh-sim {name} listening on {addr}");
+    tracing::info!("kvmesh-sim {name} serving on {addr}");
+    axum::serve(listener, routes)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}
+
+/// Headers every response carries, so tests can see what reached the worker.
+fn tag(app: &App, request_headers: &HeaderMap, body: &[u8], mut response: Response) -> Response {
+    let headers = response.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&app.name) {
+        headers.insert("x-kvmesh-sim-worker", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&hex::encode(Sha256::digest(body))) {
+        headers.insert("x-kvmesh-sim-body-sha256", v);
+    }
+    if let Some(v) = request_headers.get("x-kvmesh-destination") {
+        headers.insert("x-kvmesh-sim-saw-destination", v.clone());
+    }
+    response
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    (status, axum::Json(json!({"error": {"message": message, "type": "invalid_request_error"}}))).into_response()
+}
+
+async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let response = match serde_json::from_slice::<Value>(&body) {
+        Err(err) => error(StatusCode::BAD_REQUEST, &format!("invalid JSON body: {err}")),
+        Ok(request) => match request.get("messages").and_then(Value::as_array) {
+            None => error(StatusCode::BAD_REQUEST, "`messages` must be an array"),
+            Some(messages) => serve_chat(&app, &request, messages).await,
+        },
+    };
+    tag(&app, &headers, &body, response)
+}
+
+async fn serve_chat(app: &App, request: &Value, messages: &[Value]) -> Response {
+    let prompt = engine::template_chat(messages);
+    let output_tokens = ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|k| request.get(*k).and_then(Value::as_u64))
+        .map_or(app.args.default_output_tokens, |n| u32::try_from(n.min(4096)).unwrap_or(4096));
+    let served: Served = app.engine().admit(&prompt);
+    let prefill = app.scaled(Duration::from_secs_f64(
+        served.uncached_tokens() as f64 * app.args.prefill_us_per_token / 1e6,
+    ));
+    let per_token = app.scaled(Duration::from_secs_f64(app.args.decode_ms_per_token / 1e3));
+    let model = request.get("model").and_then(Value::as_str).unwrap_or("sim").to_owned();
+    let text = format!("[{}] read {} prompt tokens, {} from cache.", app.name, served.prompt_tokens, served.cached_tokens);
+    let usage = json!({
+        "prompt_tokens": served.prompt_tokens,
+        "completion_tokens": output_tokens,
+        "total_tokens": served.prompt_tokens + u64::from(output_tokens),
+        "prompt_tokens_details": {"cached_tokens": served.cached_tokens},
+    });
+    let id = format!("chatcmpl-{}", served.request_id);
+    let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
+    if !stream {
+        tokio::time::sleep(prefill + per_token * output_tokens).await;
+        app.engine().finish();
+        return axum::Json(json!({
+            "id": id, "object": "chat.completion", "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": usage,
+        }))
+        .into_response();
+    }
+    let include_usage = request
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        == Some(true);
+    let engine = app.engine.clone();
+    let words: Vec<String> = text.split_inclusive(' ').map(str::to_owned).collect();
+    let chunk = move |delta: Value, finish: Value| {
+        json!({"id": id, "object": "chat.completion.chunk", "model": model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    };
+    let events = async_stream(move |tx| async move {
+        tokio::time::sleep(prefill).await;
+        let _ = tx.send(sse(&chunk(json!({"role": "assistant", "content": ""}), Value::Null))).await;
+        for i in 0..output_tokens as usize {
+            tokio::time::sleep(per_token).await;
+            let word = words.get(i).cloned().unwrap_or_default();
+            let _ = tx.send(sse(&chunk(json!({"content": word}), Value::Null))).await;
+        }
+        let mut last = chunk(json!({}), json!("stop"));
+        if include_usage {
+            last["usage"] = usage;
+        }
+        let _ = tx.send(sse(&last)).await;
+        let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finish();
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(events))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "stream"))
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+/// A byte stream fed by a task, so the response starts before the task ends.
+fn async_stream<F, Fut>(produce: F) -> impl futures_util::Stream<Item = Result<Bytes, std::convert::Infallible>>
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Bytes>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(produce(tx));
+    futures_util::StreamExt::map(tokio_stream::wrappers::ReceiverStream::new(rx), Ok)
+}
+
+async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
+    let body = axum::Json(json!({"object": "list", "data": [{"id": "sim", "object": "model", "owned_by": &*app.name}]}));
+    tag(&app, &headers, b"", body.into_response())
+}
+
+async fn metrics(State(app): State<App>) -> String {
+    app.engine().render_vllm_metrics()
+}
+
+async fn fallback(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let response = error(StatusCode::NOT_FOUND, "no such endpoint");
+    tag(&app, &headers, &body, response)
+}

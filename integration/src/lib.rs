@@ -1,1 +1,13 @@
-//! stub
+//! Test and demo harness: starts real processes (simulated workers, the
+//! kvmesh sidecar, a real Envoy loading the kvmesh Wasm filter) on ephemeral
+//! loopback ports, talks to them, and stops them by pid.
+#![forbid(unsafe_code)]
+
+pub mod cluster;
+pub mod envoy_config;
+pub mod paths;
+pub mod process;
+pub mod workload;
+
+pub use cluster::{Cluster, ClusterOptions, Reply};
+pub use workload::AgentSession;

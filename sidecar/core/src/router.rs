@@ -1,5 +1,9 @@
-//! The first routing policy: longest cached prefix wins, load breaks ties,
-//! and a session with no cached prefix anywhere returns to its last worker.
+//! The first routing policy, after the SGLang router's cache-aware rule: the
+//! worker holding the longest cached prefix wins when that prefix is a real
+//! share of the request; otherwise the session returns to its last worker, or
+//! a new one goes to the least loaded worker. A short shared prefix (the same
+//! tool list in every agent's request) must not pile every session onto one
+//! GPU.
 
 use std::collections::HashMap;
 
@@ -41,6 +45,9 @@ pub struct RouterConfig {
     /// Picks awaiting their outcome; past this the oldest are forgotten so a
     /// filter that never reports cannot grow memory without bound.
     pub max_pending_picks: usize,
+    /// Share of the request's blocks the best worker must hold for the prefix
+    /// to decide. Below it, balance instead (SGLang's `cache_threshold`, 0.5).
+    pub min_match_ratio: f64,
 }
 
 impl Default for RouterConfig {
@@ -50,6 +57,7 @@ impl Default for RouterConfig {
             max_sessions: 100_000,
             ranked_destinations: 3,
             max_pending_picks: 100_000,
+            min_match_ratio: 0.5,
         }
     }
 }
@@ -85,6 +93,14 @@ pub struct WorkerView {
     pub healthy: bool,
     pub in_flight: u32,
     pub cached_blocks: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    id: WorkerId,
+    overlap: usize,
+    in_flight: u32,
+    cached_blocks: usize,
 }
 
 #[derive(Debug)]
@@ -168,23 +184,28 @@ impl Router {
             .then(|| self.session_worker.get(input.session_id).copied())
             .flatten();
 
-        // (overlap, is the session's worker, in flight, cached blocks, id):
-        // most overlap first; on ties the session's own worker, then the least
-        // busy, then the emptiest cache (spreads new prefixes), then the id so
-        // the order is deterministic.
-        let mut candidates: Vec<(usize, bool, u32, usize, WorkerId)> = self
+        let mut candidates: Vec<Candidate> = self
             .workers
             .iter()
             .enumerate()
             .filter(|(_, w)| w.healthy)
-            .map(|(i, w)| {
-                let id = WorkerId(i);
-                (Self::overlap(w, input.block_hashes), session_worker == Some(id), w.in_flight, w.cache.len(), id)
+            .map(|(i, w)| Candidate {
+                id: WorkerId(i),
+                overlap: Self::overlap(w, input.block_hashes),
+                in_flight: w.in_flight,
+                cached_blocks: w.cache.len(),
             })
             .collect();
-        candidates.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)).then(a.3.cmp(&b.3)).then(a.4.cmp(&b.4)));
-
-        let Some(&(overlap, is_session_worker, ..)) = candidates.first() else {
+        // Most overlap first; then the least busy, then the emptiest cache
+        // (spreads new prefixes), then the id, so the order is deterministic.
+        candidates.sort_by(|a, b| {
+            b.overlap
+                .cmp(&a.overlap)
+                .then(a.in_flight.cmp(&b.in_flight))
+                .then(a.cached_blocks.cmp(&b.cached_blocks))
+                .then(a.id.cmp(&b.id))
+        });
+        let Some(longest) = candidates.first().copied() else {
             return Decision {
                 ranked: Vec::new(),
                 predicted_cached_blocks: 0,
@@ -192,17 +213,24 @@ impl Router {
                 pick_id,
             };
         };
-        let reason = if overlap > 0 {
-            Reason::PrefixMatch
-        } else if is_session_worker {
-            Reason::SessionAffinity
+        let blocks = input.block_hashes.len();
+        let decisive = longest.overlap > 0 && longest.overlap as f64 >= self.config.min_match_ratio * blocks as f64;
+        let (chosen, reason) = if decisive {
+            (longest, Reason::PrefixMatch)
+        } else if let Some(own) = candidates.iter().find(|c| Some(c.id) == session_worker) {
+            (*own, Reason::SessionAffinity)
         } else {
-            Reason::LeastLoaded
+            let least = candidates
+                .iter()
+                .min_by_key(|c| (c.in_flight, c.cached_blocks, c.id))
+                .copied()
+                .unwrap_or(longest);
+            (least, Reason::LeastLoaded)
         };
-        let ranked: Vec<WorkerId> = candidates
-            .iter()
+        let overlap = chosen.overlap;
+        let ranked: Vec<WorkerId> = std::iter::once(chosen.id)
+            .chain(candidates.iter().map(|c| c.id).filter(|id| *id != chosen.id))
             .take(self.config.ranked_destinations.max(1))
-            .map(|c| c.4)
             .collect();
         let best = ranked[0];
         self.place(best, input, pick_id);

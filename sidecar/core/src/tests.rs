@@ -42,6 +42,20 @@ fn distinct_prefixes_spread_over_every_worker() {
 }
 
 #[test]
+fn a_short_shared_prefix_does_not_pile_sessions_onto_one_worker() {
+    let mut r = router(3);
+    let mut seen = [0usize; 3];
+    for s in 0..6 {
+        // Two shared blocks (a common tool list), then 18 of the session's own.
+        let hashes: Vec<u64> = [7, 8].into_iter().chain(blocks(s + 1, 18)).collect();
+        let d = pick(&mut r, &hashes, "");
+        assert_eq!(d.reason, Reason::LeastLoaded);
+        seen[d.ranked[0].0] += 1;
+    }
+    assert_eq!(seen, [2, 2, 2]);
+}
+
+#[test]
 fn partial_tail_is_not_indexed() {
     let mut r = router(2);
     let hashes = blocks(1, 3);

@@ -1,0 +1,322 @@
+//! A whole kvmesh deployment on loopback: N simulated workers, the sidecar and
+//! a real Envoy running the shipped configuration with the kvmesh filter.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::Value;
+
+use crate::envoy_config::{self, EnvoyOverrides};
+use crate::paths;
+use crate::process::Process;
+
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How to start a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    pub workers: usize,
+    /// Merged over the shipped plugin configuration.
+    pub plugin: Value,
+    /// Extra `kvmesh-sim` flags (e.g. timing).
+    pub sim_args: Vec<String>,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        Self {
+            workers: 3,
+            plugin: serde_json::json!({}),
+            // Instant engines: routing tests measure where calls go, not GPU time.
+            sim_args: vec!["--time-scale".into(), "0".into()],
+        }
+    }
+}
+
+/// One simulated worker.
+#[derive(Debug)]
+pub struct Worker {
+    pub addr: SocketAddr,
+    pub process: Process,
+}
+
+/// What came back for one request.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    /// The worker that answered (`x-kvmesh-sim-worker`), if one did.
+    pub worker: Option<String>,
+    /// The `x-kvmesh-destination` the worker received, if any.
+    pub saw_destination: Option<String>,
+    /// SHA-256 of the body the worker received.
+    pub worker_body_sha256: Option<String>,
+    pub body: String,
+    pub latency: Duration,
+}
+
+impl Reply {
+    /// `usage.prompt_tokens_details.cached_tokens` of a JSON reply.
+    pub fn cached_tokens(&self) -> Option<u64> {
+        let json: Value = serde_json::from_str(&self.body).ok()?;
+        json.pointer("/usage/prompt_tokens_details/cached_tokens")?.as_u64()
+    }
+
+    pub fn prompt_tokens(&self) -> Option<u64> {
+        let json: Value = serde_json::from_str(&self.body).ok()?;
+        json.pointer("/usage/prompt_tokens")?.as_u64()
+    }
+}
+
+/// A running deployment. Dropping it stops every process by pid.
+#[derive(Debug)]
+pub struct Cluster {
+    pub dir: PathBuf,
+    pub workers: Vec<Worker>,
+    pub sidecar: Process,
+    pub sidecar_grpc: SocketAddr,
+    pub sidecar_admin: SocketAddr,
+    // Envoy goes before the sidecar and workers it talks to.
+    pub envoy: Process,
+    pub envoy_url: String,
+    pub envoy_admin: String,
+    http: reqwest::Client,
+}
+
+static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
+
+fn scratch_dir() -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!(
+        "kvmesh-it-{}-{}",
+        std::process::id(),
+        NEXT_DIR.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn addr_after(line: &str, key: &str) -> anyhow::Result<SocketAddr> {
+    let value = line
+        .split_whitespace()
+        .find_map(|word| word.strip_prefix(key))
+        .with_context(|| format!("no {key} in {line:?}"))?;
+    value.parse().with_context(|| format!("bad address in {line:?}"))
+}
+
+/// Starts the sidecar on `grpc` (port 0 for any) for `workers`.
+pub fn start_sidecar(dir: &std::path::Path, grpc: SocketAddr, workers: &[SocketAddr]) -> anyhow::Result<(Process, SocketAddr, SocketAddr)> {
+    let worker_list = workers.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
+    let mut sidecar = Process::spawn(
+        "sidecar",
+        &paths::binary("kvmesh-sidecar")?,
+        &[
+            "--grpc-listen".into(),
+            grpc.to_string(),
+            "--admin-listen".into(),
+            "127.0.0.1:0".into(),
+            "--worker".into(),
+            worker_list,
+            "--log".into(),
+            "info".into(),
+        ],
+        dir,
+    )?;
+    let line = sidecar.wait_for_line("listening", START_TIMEOUT)?;
+    Ok((sidecar, addr_after(&line, "grpc=")?, addr_after(&line, "admin=")?))
+}
+
+impl Cluster {
+    pub async fn start(options: ClusterOptions) -> anyhow::Result<Self> {
+        let dir = scratch_dir()?;
+        let mut workers = Vec::new();
+        for i in 0..options.workers {
+            let mut args = vec!["--listen".to_owned(), "127.0.0.1:0".to_owned()];
+            args.extend(options.sim_args.iter().cloned());
+            let mut process = Process::spawn(&format!("worker{i}"), &paths::binary("kvmesh-sim")?, &args, &dir)?;
+            let line = process.wait_for_line("listening on", START_TIMEOUT)?;
+            let addr = line
+                .rsplit(' ')
+                .next()
+                .unwrap_or_default()
+                .parse()
+                .with_context(|| format!("bad sim line {line:?}"))?;
+            workers.push(Worker { addr, process });
+        }
+        let addrs: Vec<SocketAddr> = workers.iter().map(|w| w.addr).collect();
+        let (sidecar, sidecar_grpc, sidecar_admin) = start_sidecar(&dir, "127.0.0.1:0".parse()?, &addrs)?;
+
+        let wasm = paths::filter_wasm()?;
+        let shipped = std::fs::read_to_string(paths::envoy_yaml())?;
+        let rendered = envoy_config::render(
+            &shipped,
+            &EnvoyOverrides {
+                workers: &addrs,
+                sidecar: sidecar_grpc,
+                wasm: &wasm,
+                plugin: options.plugin.clone(),
+            },
+        )?;
+        let config = dir.join("envoy.yaml");
+        std::fs::write(&config, rendered)?;
+        let admin_path = dir.join("envoy-admin-address");
+        let envoy = Process::spawn(
+            "envoy",
+            &paths::envoy(),
+            &[
+                "-c".into(),
+                config.display().to_string(),
+                "--admin-address-path".into(),
+                admin_path.display().to_string(),
+                // Tests run several Envoys at once: no shared hot-restart memory.
+                "--disable-hot-restart".into(),
+                "--concurrency".into(),
+                "2".into(),
+                "--log-level".into(),
+                "info".into(),
+            ],
+            &dir,
+        )?;
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .pool_max_idle_per_host(0)
+            .build()?;
+        let envoy_admin = wait_for_admin(&envoy, &admin_path, &http).await?;
+        let envoy_url = format!("http://127.0.0.1:{}", listener_port(&http, &envoy_admin).await?);
+        Ok(Self {
+            dir,
+            workers,
+            sidecar,
+            sidecar_grpc,
+            sidecar_admin,
+            envoy,
+            envoy_url,
+            envoy_admin,
+            http,
+        })
+    }
+
+    pub fn worker_names(&self) -> Vec<String> {
+        self.workers.iter().map(|w| w.addr.to_string()).collect()
+    }
+
+    /// Sends `body` (raw bytes) to `path` through Envoy.
+    pub async fn send(&self, method: reqwest::Method, path: &str, headers: &[(&str, &str)], body: Vec<u8>) -> anyhow::Result<Reply> {
+        let mut request = self.http.request(method, format!("{}{path}", self.envoy_url));
+        for (k, v) in headers {
+            request = request.header(*k, *v);
+        }
+        let started = Instant::now();
+        let response = request.body(body).send().await.context("request through Envoy")?;
+        let status = response.status().as_u16();
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let worker = header("x-kvmesh-sim-worker");
+        let saw_destination = header("x-kvmesh-sim-saw-destination");
+        let worker_body_sha256 = header("x-kvmesh-sim-body-sha256");
+        let body = response.text().await.context("reading the reply")?;
+        Ok(Reply {
+            status,
+            worker,
+            saw_destination,
+            worker_body_sha256,
+            body,
+            latency: started.elapsed(),
+        })
+    }
+
+    /// Sends a JSON chat completion with extra headers.
+    pub async fn chat(&self, body: &Value, headers: &[(&str, &str)]) -> anyhow::Result<Reply> {
+        let mut all = vec![("content-type", "application/json")];
+        all.extend_from_slice(headers);
+        self.send(reqwest::Method::POST, "/v1/chat/completions", &all, serde_json::to_vec(body)?)
+            .await
+    }
+
+    /// A counter from Envoy's stats (`wasmcustom.kvmesh.picks`, ...).
+    pub async fn envoy_counter(&self, name: &str) -> anyhow::Result<u64> {
+        let text = self
+            .http
+            .get(format!("{}/stats?filter=^{}$", self.envoy_admin, name.replace('.', "\\.")))
+            .send()
+            .await?
+            .text()
+            .await?;
+        text.lines()
+            .find_map(|line| line.strip_prefix(&format!("{name}: ")))
+            .with_context(|| format!("no stat {name} in {text:?}"))?
+            .trim()
+            .parse()
+            .context("stat value")
+    }
+
+    /// Kills the sidecar (SIGKILL) and waits for it to be gone.
+    pub fn kill_sidecar(&mut self) -> anyhow::Result<()> {
+        self.sidecar.kill()
+    }
+
+    /// Starts a fresh sidecar on the same gRPC address as before.
+    pub fn restart_sidecar(&mut self) -> anyhow::Result<()> {
+        let addrs: Vec<SocketAddr> = self.workers.iter().map(|w| w.addr).collect();
+        let (sidecar, grpc, admin) = start_sidecar(&self.dir, self.sidecar_grpc, &addrs)?;
+        self.sidecar = sidecar;
+        self.sidecar_grpc = grpc;
+        self.sidecar_admin = admin;
+        Ok(())
+    }
+}
+
+async fn wait_for_admin(envoy: &Process, path: &std::path::Path, http: &reqwest::Client) -> anyhow::Result<String> {
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if let Ok(addr) = std::fs::read_to_string(path)
+            && !addr.trim().is_empty()
+        {
+            let admin = format!("http://{}", addr.trim());
+            if let Ok(response) = http.get(format!("{admin}/ready")).send().await
+                && response.status().is_success()
+            {
+                return Ok(admin);
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("Envoy did not become ready:\n{}", envoy.log_tail());
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+async fn listener_port(http: &reqwest::Client, admin: &str) -> anyhow::Result<u16> {
+    let listeners: Value = http
+        .get(format!("{admin}/listeners?format=json"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let port = listeners
+        .pointer("/listener_statuses/0/local_address/socket_address/port_value")
+        .and_then(Value::as_u64)
+        .with_context(|| format!("no listener port in {listeners}"))?;
+    Ok(u16::try_from(port)?)
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.envoy.stop();
+        self.sidecar.stop();
+        for worker in &mut self.workers {
+            worker.process.stop();
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        } else {
+            eprintln!("kvmesh test logs kept in {}", self.dir.display());
+        }
+    }
+}

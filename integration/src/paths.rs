@@ -1,0 +1,52 @@
+//! Where the artifacts under test live: the workspace's own binaries, the
+//! Wasm filter, Envoy and the shipped `envoy/envoy.yaml`.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), PathBuf::from)
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| repo_root().join("target"), PathBuf::from)
+}
+
+/// A workspace binary built by `cargo build` (dev profile).
+pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
+    let path = target_dir().join("debug").join(name);
+    if !path.is_file() {
+        bail!("{} is missing: run `just build` (or `cargo build --workspace`) first", path.display());
+    }
+    Ok(path)
+}
+
+/// The release build of the filter, as Envoy loads it.
+pub fn filter_wasm() -> anyhow::Result<PathBuf> {
+    let path = std::env::var_os("KVMESH_FILTER_WASM").map_or_else(
+        || target_dir().join("wasm32-wasip1/release/kvmesh_filter.wasm"),
+        PathBuf::from,
+    );
+    if !path.is_file() {
+        bail!("{} is missing: run `just build` first", path.display());
+    }
+    path.canonicalize().context("resolving the Wasm path")
+}
+
+/// Envoy: `$KVMESH_ENVOY`, else the one `./dev` installs, else `envoy` on PATH.
+pub fn envoy() -> PathBuf {
+    if let Some(path) = std::env::var_os("KVMESH_ENVOY") {
+        return PathBuf::from(path);
+    }
+    let local = repo_root().join(".tools/venv/bin/envoy");
+    if local.is_file() { local } else { PathBuf::from("envoy") }
+}
+
+/// The shipped standalone Envoy configuration.
+pub fn envoy_yaml() -> PathBuf {
+    repo_root().join("envoy/envoy.yaml")
+}

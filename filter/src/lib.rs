@@ -190,17 +190,22 @@ impl RequestFilter {
     fn apply_pick(&mut self, status_code: u32, response_size: usize) {
         if status_code != 0 {
             // Envoy reports a callout timeout as UNAVAILABLE (14), like a
-            // refused connection; the elapsed time tells them apart.
+            // refused connection; its message says "upstream request timeout".
+            // Its timer may fire a few ms before our clock says the timeout
+            // passed, so the elapsed-time check keeps a margin.
+            let (_, message) = self.get_grpc_status();
+            let message = message.unwrap_or_default();
             let waited = self
                 .started
                 .and_then(|t| self.get_current_time().duration_since(t).ok())
                 .unwrap_or_default();
-            let why = if waited >= Duration::from_millis(self.config().sidecar_timeout_ms) {
+            let timeout = Duration::from_millis(self.config().sidecar_timeout_ms);
+            let why = if message.contains("timeout") || waited >= timeout.mul_f64(0.9) {
                 FailOpen::Timeout
             } else {
                 FailOpen::SidecarError
             };
-            debug!("kvmesh: Pick failed with gRPC status {status_code} after {waited:?}");
+            debug!("kvmesh: Pick failed with gRPC status {status_code} ({message}) after {waited:?}");
             self.shared.metrics.fail_open(why);
             return;
         }

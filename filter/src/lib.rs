@@ -175,7 +175,14 @@ impl RequestFilter {
         let message = self.pick_request(understood).encode_to_vec();
         let timeout = Duration::from_millis(self.config().sidecar_timeout_ms);
         let cluster = self.config().sidecar_cluster.clone();
-        match self.dispatch_grpc_call(&cluster, method::SERVICE, method::PICK, Vec::new(), Some(&message), timeout) {
+        match self.dispatch_grpc_call(
+            &cluster,
+            method::SERVICE,
+            method::PICK,
+            Vec::new(),
+            Some(&message),
+            timeout,
+        ) {
             Ok(_token) => {
                 self.state = State::AwaitingPick;
                 Action::Pause
@@ -264,7 +271,10 @@ impl HttpContext for RequestFilter {
             return Action::Continue;
         }
         if body_size > self.config().max_body_bytes {
-            debug!("kvmesh: body over {} bytes, not routed on content", self.config().max_body_bytes);
+            debug!(
+                "kvmesh: body over {} bytes, not routed on content",
+                self.config().max_body_bytes
+            );
             return self.fail_open(FailOpen::BodyTooLarge);
         }
         if !end_of_stream {

@@ -106,7 +106,11 @@ fn addr_after(line: &str, key: &str) -> anyhow::Result<SocketAddr> {
 }
 
 /// Starts the sidecar on `grpc` (port 0 for any) for `workers`.
-pub fn start_sidecar(dir: &std::path::Path, grpc: SocketAddr, workers: &[SocketAddr]) -> anyhow::Result<(Process, SocketAddr, SocketAddr)> {
+pub fn start_sidecar(
+    dir: &std::path::Path,
+    grpc: SocketAddr,
+    workers: &[SocketAddr],
+) -> anyhow::Result<(Process, SocketAddr, SocketAddr)> {
     let worker_list = workers.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
     let mut sidecar = Process::spawn(
         "sidecar",
@@ -202,7 +206,13 @@ impl Cluster {
     }
 
     /// Sends `body` (raw bytes) to `path` through Envoy.
-    pub async fn send(&self, method: reqwest::Method, path: &str, headers: &[(&str, &str)], body: Vec<u8>) -> anyhow::Result<Reply> {
+    pub async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Vec<u8>,
+    ) -> anyhow::Result<Reply> {
         let mut request = self.http.request(method, format!("{}{path}", self.envoy_url));
         for (k, v) in headers {
             request = request.header(*k, *v);
@@ -235,15 +245,24 @@ impl Cluster {
     pub async fn chat(&self, body: &Value, headers: &[(&str, &str)]) -> anyhow::Result<Reply> {
         let mut all = vec![("content-type", "application/json")];
         all.extend_from_slice(headers);
-        self.send(reqwest::Method::POST, "/v1/chat/completions", &all, serde_json::to_vec(body)?)
-            .await
+        self.send(
+            reqwest::Method::POST,
+            "/v1/chat/completions",
+            &all,
+            serde_json::to_vec(body)?,
+        )
+        .await
     }
 
     /// A counter from Envoy's stats (`wasmcustom.kvmesh.picks`, ...).
     pub async fn envoy_counter(&self, name: &str) -> anyhow::Result<u64> {
         let text = self
             .http
-            .get(format!("{}/stats?filter=^{}$", self.envoy_admin, name.replace('.', "\\.")))
+            .get(format!(
+                "{}/stats?filter=^{}$",
+                self.envoy_admin,
+                name.replace('.', "\\.")
+            ))
             .send()
             .await?
             .text()

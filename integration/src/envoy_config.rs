@@ -23,7 +23,11 @@ fn get_mut<'v>(value: &'v mut Value, key: &str) -> anyhow::Result<&'v mut Value>
 
 fn named<'v>(list: &'v mut Value, name: &str) -> anyhow::Result<&'v mut Value> {
     list.as_sequence_mut()
-        .and_then(|items| items.iter_mut().find(|item| item.get("name").and_then(Value::as_str) == Some(name)))
+        .and_then(|items| {
+            items
+                .iter_mut()
+                .find(|item| item.get("name").and_then(Value::as_str) == Some(name))
+        })
         .ok_or_else(|| anyhow!("envoy.yaml: no item named `{name}`"))
 }
 
@@ -52,7 +56,10 @@ fn set_endpoints(cluster: &mut Value, addrs: &[SocketAddr]) -> anyhow::Result<()
 /// Returns the rendered YAML.
 pub fn render(shipped: &str, o: &EnvoyOverrides<'_>) -> anyhow::Result<String> {
     let mut doc: Value = serde_yaml::from_str(shipped).context("parsing envoy.yaml")?;
-    *get_mut(get_mut(get_mut(get_mut(&mut doc, "admin")?, "address")?, "socket_address")?, "port_value")? = 0.into();
+    *get_mut(
+        get_mut(get_mut(get_mut(&mut doc, "admin")?, "address")?, "socket_address")?,
+        "port_value",
+    )? = 0.into();
 
     let resources = get_mut(&mut doc, "static_resources")?;
     let listener = named(get_mut(resources, "listeners")?, "agents")?;
@@ -65,8 +72,10 @@ pub fn render(shipped: &str, o: &EnvoyOverrides<'_>) -> anyhow::Result<String> {
         .ok_or_else(|| anyhow!("envoy.yaml: no network filter"))?;
     let wasm = named(get_mut(get_mut(hcm, "typed_config")?, "http_filters")?, "kvmesh")?;
     let config = get_mut(get_mut(wasm, "typed_config")?, "config")?;
-    *get_mut(get_mut(get_mut(get_mut(config, "vm_config")?, "code")?, "local")?, "filename")? =
-        o.wasm.display().to_string().into();
+    *get_mut(
+        get_mut(get_mut(get_mut(config, "vm_config")?, "code")?, "local")?,
+        "filename",
+    )? = o.wasm.display().to_string().into();
     let plugin = get_mut(get_mut(config, "configuration")?, "value")?;
     let mut json: serde_json::Value =
         serde_json::from_str(plugin.as_str().unwrap_or("{}")).context("plugin configuration JSON")?;

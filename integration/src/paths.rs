@@ -20,7 +20,10 @@ fn target_dir() -> PathBuf {
 pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
     let path = target_dir().join("debug").join(name);
     if !path.is_file() {
-        bail!("{} is missing: run `just build` (or `cargo build --workspace`) first", path.display());
+        bail!(
+            "{} is missing: run `just build` (or `cargo build --workspace`) first",
+            path.display()
+        );
     }
     Ok(path)
 }

@@ -8,6 +8,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+pub use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 
 /// A running child process.
 #[derive(Debug)]
@@ -69,10 +71,18 @@ impl Process {
                 }
             }
             if let Ok(Some(status)) = self.child.try_wait() {
-                bail!("{} exited ({status}) before printing {needle:?}:\n{}", self.name, self.log_tail());
+                bail!(
+                    "{} exited ({status}) before printing {needle:?}:\n{}",
+                    self.name,
+                    self.log_tail()
+                );
             }
             if Instant::now() >= deadline {
-                bail!("{} did not print {needle:?} within {timeout:?}:\n{}", self.name, self.log_tail());
+                bail!(
+                    "{} did not print {needle:?} within {timeout:?}:\n{}",
+                    self.name,
+                    self.log_tail()
+                );
             }
         }
     }
@@ -84,23 +94,16 @@ impl Process {
         lines[lines.len().saturating_sub(30)..].join("\n")
     }
 
-    /// Sends a signal by pid (`STOP`, `CONT`, `TERM`, `KILL`).
-    pub fn signal(&self, signal: &str) -> anyhow::Result<()> {
-        let status = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(self.pid().to_string())
-            .status()
-            .context("running kill")?;
-        if !status.success() {
-            bail!("kill -{signal} {} failed", self.pid());
-        }
-        Ok(())
+    /// Sends `signal` to this process, by its pid.
+    pub fn signal(&self, signal: Signal) -> anyhow::Result<()> {
+        let pid = Pid::from_raw(i32::try_from(self.pid())?);
+        nix::sys::signal::kill(pid, signal).with_context(|| format!("kill -{signal} {pid}"))
     }
 
     /// Kills the process (SIGKILL) and reaps it.
     pub fn kill(&mut self) -> anyhow::Result<()> {
         // Resume first: a stopped process still dies of SIGKILL, but say so.
-        let _ = self.signal("CONT");
+        let _ = self.signal(Signal::SIGCONT);
         self.child.kill().context("killing")?;
         self.child.wait().context("reaping")?;
         Ok(())
@@ -111,8 +114,8 @@ impl Process {
         if matches!(self.child.try_wait(), Ok(Some(_))) {
             return;
         }
-        let _ = self.signal("CONT");
-        let _ = self.signal("TERM");
+        let _ = self.signal(Signal::SIGCONT);
+        let _ = self.signal(Signal::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
             if matches!(self.child.try_wait(), Ok(Some(_))) {

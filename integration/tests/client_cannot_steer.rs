@@ -24,17 +24,26 @@ async fn a_forged_destination_is_replaced_by_the_sidecars_pick() -> anyhow::Resu
     ];
     for (turn, target) in forged.iter().enumerate() {
         let reply = cluster
-            .chat(&session.call(turn + 1), &[("x-session-id", "forge-1"), ("x-kvmesh-destination", target)])
+            .chat(
+                &session.call(turn + 1),
+                &[("x-session-id", "forge-1"), ("x-kvmesh-destination", target)],
+            )
             .await?;
         assert_eq!(reply.status, 200, "forged {target}: {}", reply.body);
-        assert_eq!(reply.worker.as_deref(), Some(home.as_str()), "forged {target} steered the request");
+        assert_eq!(
+            reply.worker.as_deref(),
+            Some(home.as_str()),
+            "forged {target} steered the request"
+        );
         let seen = reply.saw_destination.unwrap_or_default();
         // The worker saw the sidecar's ranked list, led by the session's worker.
         assert_ne!(seen, *target);
         assert_eq!(seen.split(',').next(), Some(home.as_str()), "{seen:?}");
     }
     assert_eq!(
-        cluster.envoy_counter("wasmcustom.kvmesh.forged_destination_removed").await?,
+        cluster
+            .envoy_counter("wasmcustom.kvmesh.forged_destination_removed")
+            .await?,
         forged.len() as u64
     );
     Ok(())
@@ -47,11 +56,27 @@ async fn a_forged_destination_on_a_passed_through_request_is_removed_too() -> an
     let mut answered_by = std::collections::BTreeMap::<String, usize>::new();
     for _ in 0..6 {
         // GET and a non-JSON POST are not routed by kvmesh: Envoy balances them.
-        for (method, content_type) in [(reqwest::Method::GET, "application/json"), (reqwest::Method::POST, "text/plain")] {
-            let path = if method == reqwest::Method::GET { "/v1/models" } else { "/v1/chat/completions" };
-            let body = if method == reqwest::Method::GET { Vec::new() } else { br#"{"model":"m","messages":[]}"#.to_vec() };
+        for (method, content_type) in [
+            (reqwest::Method::GET, "application/json"),
+            (reqwest::Method::POST, "text/plain"),
+        ] {
+            let path = if method == reqwest::Method::GET {
+                "/v1/models"
+            } else {
+                "/v1/chat/completions"
+            };
+            let body = if method == reqwest::Method::GET {
+                Vec::new()
+            } else {
+                br#"{"model":"m","messages":[]}"#.to_vec()
+            };
             let reply = cluster
-                .send(method, path, &[("x-kvmesh-destination", &target), ("content-type", content_type)], body)
+                .send(
+                    method,
+                    path,
+                    &[("x-kvmesh-destination", &target), ("content-type", content_type)],
+                    body,
+                )
                 .await?;
             assert_eq!(reply.status, 200, "{}", reply.body);
             assert_eq!(reply.saw_destination, None, "the forged header reached the worker");

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use kvmesh_integration::process::Signal;
 use kvmesh_integration::{AgentSession, Cluster, ClusterOptions, Reply};
 
 const TIMEOUT_MS: u64 = 100;
@@ -13,7 +14,9 @@ async fn run_calls(cluster: &Cluster, label: &str) -> anyhow::Result<Vec<Reply>>
     let mut replies = Vec::new();
     for i in 0..CALLS {
         let session = AgentSession::new(&format!("{label}/repo-{i}"));
-        let reply = cluster.chat(&session.call(i % 4), &[("x-session-id", &format!("{label}-{i}"))]).await?;
+        let reply = cluster
+            .chat(&session.call(i % 4), &[("x-session-id", &format!("{label}-{i}"))])
+            .await?;
         assert_eq!(reply.status, 200, "{label} call {i}: {}", reply.body);
         assert!(reply.worker.is_some(), "{label} call {i}: no worker answered");
         replies.push(reply);
@@ -45,7 +48,10 @@ async fn requests_succeed_when_the_sidecar_is_killed_or_stalled() -> anyhow::Res
     let max_slack = Duration::from_millis(80);
 
     let healthy = run_calls(&cluster, "healthy").await?;
-    assert!(healthy.iter().all(|r| r.saw_destination.is_some()), "healthy sidecar did not route");
+    assert!(
+        healthy.iter().all(|r| r.saw_destination.is_some()),
+        "healthy sidecar did not route"
+    );
     let baseline = median(&healthy);
 
     // Killed: the connection is refused, the filter continues at once.
@@ -57,7 +63,9 @@ async fn requests_succeed_when_the_sidecar_is_killed_or_stalled() -> anyhow::Res
         "killed sidecar: median {:?} vs baseline {baseline:?}",
         median(&killed)
     );
-    let refused = cluster.envoy_counter("wasmcustom.kvmesh.fail_open.sidecar_error").await?;
+    let refused = cluster
+        .envoy_counter("wasmcustom.kvmesh.fail_open.sidecar_error")
+        .await?;
     assert_eq!(refused, CALLS as u64);
 
     // Back: routing resumes on the same address with no Envoy change.
@@ -74,9 +82,9 @@ async fn requests_succeed_when_the_sidecar_is_killed_or_stalled() -> anyhow::Res
     assert!(routed_again, "the restarted sidecar was never used");
 
     // Stalled: connections open but nothing answers until the timeout.
-    cluster.sidecar.signal("STOP")?;
+    cluster.sidecar.signal(Signal::SIGSTOP)?;
     let stalled = run_calls(&cluster, "stalled").await;
-    cluster.sidecar.signal("CONT")?;
+    cluster.sidecar.signal(Signal::SIGCONT)?;
     let stalled = stalled?;
     assert!(stalled.iter().all(|r| r.saw_destination.is_none()));
     let added = median(&stalled).saturating_sub(baseline);

@@ -13,7 +13,10 @@ async fn a_growing_session_stays_on_one_worker_and_reuses_its_cache() -> anyhow:
     let mut cached = Vec::new();
     for turn in 0..20 {
         let reply = cluster
-            .chat(&session.call(turn), &[("x-claude-code-session-id", "6f1c0e4a-session-a")])
+            .chat(
+                &session.call(turn),
+                &[("x-claude-code-session-id", "6f1c0e4a-session-a")],
+            )
             .await?;
         assert_eq!(reply.status, 200, "turn {turn}: {}", reply.body);
         workers.push(reply.worker.clone().unwrap_or_default());
@@ -22,12 +25,18 @@ async fn a_growing_session_stays_on_one_worker_and_reuses_its_cache() -> anyhow:
         let first_choice = reply.saw_destination.as_deref().and_then(|d| d.split(',').next());
         assert_eq!(first_choice, reply.worker.as_deref(), "turn {turn}");
     }
-    assert!(workers.iter().all(|w| *w == workers[0]), "calls moved between workers: {workers:?}");
+    assert!(
+        workers.iter().all(|w| *w == workers[0]),
+        "calls moved between workers: {workers:?}"
+    );
     // The engine itself confirms the reuse: every call after the first finds
     // the previous call's prefix in its cache.
     assert_eq!(cached[0], 0);
     for turn in 1..20 {
-        assert!(cached[turn] > cached[turn - 1], "cached tokens did not grow at turn {turn}: {cached:?}");
+        assert!(
+            cached[turn] > cached[turn - 1],
+            "cached tokens did not grow at turn {turn}: {cached:?}"
+        );
     }
     assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.picks").await?, 20);
     Ok(())
@@ -49,7 +58,10 @@ async fn sessions_with_different_prefixes_spread_over_all_workers() -> anyhow::R
     }
     let names = cluster.worker_names();
     for name in &names {
-        assert!(per_worker.get(name).copied().unwrap_or(0) >= 1, "{name} got no session: {per_worker:?}");
+        assert!(
+            per_worker.get(name).copied().unwrap_or(0) >= 1,
+            "{name} got no session: {per_worker:?}"
+        );
     }
     assert!(per_worker.values().all(|n| *n <= 6), "unbalanced: {per_worker:?}");
     assert_eq!(per_worker.keys().filter(|k| !names.contains(k)).count(), 0);

@@ -24,7 +24,10 @@ async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
         (router.workers(), router.session_count())
     };
     (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         shared.metrics.render(&workers, sessions),
     )
 }
@@ -35,7 +38,10 @@ async fn readyz(State(shared): State<Shared>) -> impl IntoResponse {
     if healthy > 0 {
         (StatusCode::OK, format!("ready: {healthy} healthy workers\n"))
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready: no healthy workers\n".to_owned())
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: no healthy workers\n".to_owned(),
+        )
     }
 }
 

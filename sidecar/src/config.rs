@@ -37,7 +37,12 @@ pub(crate) struct Args {
 
     /// A GPU worker as a literal ip:port, the form Envoy's override_host
     /// matches. Repeat the flag, or give a comma-separated list.
-    #[arg(long = "worker", env = "KVMESH_WORKERS", value_name = "IP:PORT", value_delimiter = ',')]
+    #[arg(
+        long = "worker",
+        env = "KVMESH_WORKERS",
+        value_name = "IP:PORT",
+        value_delimiter = ','
+    )]
     pub(crate) workers: Vec<String>,
 
     /// Prefix blocks each worker's KV cache holds before it evicts [default: 65536].
@@ -98,9 +103,21 @@ impl Settings {
                 SocketAddr::from(([127, 0, 0, 1], 0))
             })
         };
-        let grpc_listen = addr("grpc_listen", args.grpc_listen.or(file.grpc_listen), DEFAULT_GRPC_LISTEN);
-        let admin_listen = addr("admin_listen", args.admin_listen.or(file.admin_listen), DEFAULT_ADMIN_LISTEN);
-        let worker_texts = if args.workers.is_empty() { file.workers } else { args.workers };
+        let grpc_listen = addr(
+            "grpc_listen",
+            args.grpc_listen.or(file.grpc_listen),
+            DEFAULT_GRPC_LISTEN,
+        );
+        let admin_listen = addr(
+            "admin_listen",
+            args.admin_listen.or(file.admin_listen),
+            DEFAULT_ADMIN_LISTEN,
+        );
+        let worker_texts = if args.workers.is_empty() {
+            file.workers
+        } else {
+            args.workers
+        };
         let mut workers = Vec::new();
         for text in worker_texts.iter().map(|w| w.trim()).filter(|w| !w.is_empty()) {
             match text.parse::<SocketAddr>() {
@@ -114,7 +131,10 @@ impl Settings {
         if workers.is_empty() {
             errors.push("no workers: give --worker IP:PORT (or KVMESH_WORKERS, or `workers` in the file)".to_owned());
         }
-        let worker_capacity_blocks = args.worker_capacity_blocks.or(file.worker_capacity_blocks).unwrap_or(64 * 1024);
+        let worker_capacity_blocks = args
+            .worker_capacity_blocks
+            .or(file.worker_capacity_blocks)
+            .unwrap_or(64 * 1024);
         if worker_capacity_blocks == 0 {
             errors.push("worker_capacity_blocks must be at least 1".to_owned());
         }

@@ -51,7 +51,9 @@ impl Metrics {
             picks: Family::default(),
             // 10 µs .. ~80 ms: a Pick is sub-millisecond; anything near the
             // filter's timeout (tens of ms) means a fail-open.
-            pick_seconds: Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(1e-5, 2.0, 14)),
+            pick_seconds: Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+                1e-5, 2.0, 14,
+            )),
             request_blocks: Counter::default(),
             predicted_cached_blocks: Counter::default(),
             reports: Family::default(),
@@ -64,25 +66,61 @@ impl Metrics {
             registry: Registry::default(),
         };
         registry.register("picks", "Pick decisions by reason", m.picks.clone());
-        registry.register("pick_duration_seconds", "Time to decide one Pick", m.pick_seconds.clone());
-        registry.register("request_blocks", "Prefix blocks received in Picks", m.request_blocks.clone());
+        registry.register(
+            "pick_duration_seconds",
+            "Time to decide one Pick",
+            m.pick_seconds.clone(),
+        );
+        registry.register(
+            "request_blocks",
+            "Prefix blocks received in Picks",
+            m.request_blocks.clone(),
+        );
         registry.register(
             "predicted_cached_blocks",
             "Blocks predicted cached on the chosen worker",
             m.predicted_cached_blocks.clone(),
         );
-        registry.register("reports", "Outcome reports, by whether their pick was known", m.reports.clone());
-        registry.register("reported_prompt_tokens", "Prompt tokens reported by engines", m.reported_prompt_tokens.clone());
-        registry.register("reported_cached_tokens", "Cached prompt tokens reported by engines", m.reported_cached_tokens.clone());
-        registry.register("worker_in_flight", "Requests picked and not yet reported, per worker", m.worker_in_flight.clone());
-        registry.register("worker_cached_blocks", "Blocks the router believes each worker holds", m.worker_cached_blocks.clone());
-        registry.register("worker_healthy", "1 when the worker may be picked", m.worker_healthy.clone());
+        registry.register(
+            "reports",
+            "Outcome reports, by whether their pick was known",
+            m.reports.clone(),
+        );
+        registry.register(
+            "reported_prompt_tokens",
+            "Prompt tokens reported by engines",
+            m.reported_prompt_tokens.clone(),
+        );
+        registry.register(
+            "reported_cached_tokens",
+            "Cached prompt tokens reported by engines",
+            m.reported_cached_tokens.clone(),
+        );
+        registry.register(
+            "worker_in_flight",
+            "Requests picked and not yet reported, per worker",
+            m.worker_in_flight.clone(),
+        );
+        registry.register(
+            "worker_cached_blocks",
+            "Blocks the router believes each worker holds",
+            m.worker_cached_blocks.clone(),
+        );
+        registry.register(
+            "worker_healthy",
+            "1 when the worker may be picked",
+            m.worker_healthy.clone(),
+        );
         registry.register("sessions", "Sessions remembered for affinity", m.sessions.clone());
         Self { registry, ..m }
     }
 
     pub(crate) fn observe_pick(&self, reason: Reason, blocks: usize, predicted: u32, took: Duration) {
-        self.picks.get_or_create(&ReasonLabel { reason: reason.as_str() }).inc();
+        self.picks
+            .get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            })
+            .inc();
         self.pick_seconds.observe(took.as_secs_f64());
         self.request_blocks.inc_by(blocks as u64);
         self.predicted_cached_blocks.inc_by(u64::from(predicted));
@@ -98,7 +136,9 @@ impl Metrics {
     /// Prometheus text exposition, with worker gauges taken from `workers`.
     pub(crate) fn render(&self, workers: &[WorkerView], sessions: usize) -> String {
         for w in workers {
-            let label = WorkerLabel { worker: w.address.clone() };
+            let label = WorkerLabel {
+                worker: w.address.clone(),
+            };
             self.worker_in_flight.get_or_create(&label).set(i64::from(w.in_flight));
             self.worker_cached_blocks
                 .get_or_create(&label)

@@ -81,7 +81,12 @@ impl router_server::Router for RouterService {
             destination = destinations.first().map_or("", String::as_str),
             "pick"
         );
-        self.shared.metrics.observe_pick(decision.reason, req.block_hashes.len(), decision.predicted_cached_blocks, started.elapsed());
+        self.shared.metrics.observe_pick(
+            decision.reason,
+            req.block_hashes.len(),
+            decision.predicted_cached_blocks,
+            started.elapsed(),
+        );
         Ok(Response::new(v1::PickReply {
             destinations,
             predicted_cached_blocks: decision.predicted_cached_blocks,
@@ -92,8 +97,12 @@ impl router_server::Router for RouterService {
 
     async fn report(&self, request: Request<v1::Outcome>) -> Result<Response<v1::ReportReply>, Status> {
         let outcome = request.into_inner();
-        let known = self.shared.router().report(Outcome { pick_id: outcome.pick_id });
-        self.shared.metrics.observe_report(known, outcome.prompt_tokens, outcome.cached_tokens);
+        let known = self.shared.router().report(Outcome {
+            pick_id: outcome.pick_id,
+        });
+        self.shared
+            .metrics
+            .observe_report(known, outcome.prompt_tokens, outcome.cached_tokens);
         Ok(Response::new(v1::ReportReply {}))
     }
 }

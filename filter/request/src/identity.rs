@@ -45,7 +45,9 @@ pub fn identify(headers: &impl Headers, body: &Value, config: &FilterConfig) -> 
         .map(str::to_owned)
         .or_else(|| session_from_body(body))
         .unwrap_or_default();
-    let mut agent_id = first_header(headers, &config.agent_headers).unwrap_or_default().to_owned();
+    let mut agent_id = first_header(headers, &config.agent_headers)
+        .unwrap_or_default()
+        .to_owned();
     // Codex sends `thread-id` on every call; it only names a subagent when it
     // differs from the root's `session-id`.
     if agent_id.is_empty()

@@ -47,8 +47,7 @@ pub fn understand(
     body: &[u8],
     config: &FilterConfig,
 ) -> Result<Understood, NotUnderstood> {
-    let json: serde_json::Value =
-        serde_json::from_slice(body).map_err(|_| NotUnderstood::InvalidJson)?;
+    let json: serde_json::Value = serde_json::from_slice(body).map_err(|_| NotUnderstood::InvalidJson)?;
     let stream_bytes = canonical_stream(api, &json)?;
     let identity = identify(headers, &json, config);
     let model = json

@@ -79,12 +79,18 @@ fn tenants_models_and_cache_salts_never_share_hashes() {
 fn blocks_are_cut_at_block_bytes_with_a_flagged_partial_tail() {
     let seed = salt("", "m", "");
     let exact = block_hashes(&seed, &[7u8; 512], 256, 100);
-    assert_eq!((exact.hashes.len(), exact.last_partial, exact.truncated), (2, false, false));
+    assert_eq!(
+        (exact.hashes.len(), exact.last_partial, exact.truncated),
+        (2, false, false)
+    );
     let tail = block_hashes(&seed, &[7u8; 513], 256, 100);
     assert_eq!((tail.hashes.len(), tail.last_partial), (3, true));
     assert_eq!(tail.hashes[..2], exact.hashes[..]);
     let capped = block_hashes(&seed, &[7u8; 2560], 256, 4);
-    assert_eq!((capped.hashes.len(), capped.truncated, capped.stream_bytes), (4, true, 2560));
+    assert_eq!(
+        (capped.hashes.len(), capped.truncated, capped.stream_bytes),
+        (4, true, 2560)
+    );
     // Equal blocks at different positions hash differently: the chain carries position.
     assert_ne!(exact.hashes[0], exact.hashes[1]);
     assert!(block_hashes(&seed, b"", 256, 4).hashes.is_empty());
@@ -94,10 +100,17 @@ fn blocks_are_cut_at_block_bytes_with_a_flagged_partial_tail() {
 fn session_ids_follow_the_configured_order() {
     let body = json!({"model": "m", "messages": [], "prompt_cache_key": "pck", "user": "u"});
     let id = |h: &[(&str, &str)]| understood(&body, h).identity;
-    assert_eq!(id(&[("x-session-id", "oc"), ("x-claude-code-session-id", "cc")]).session_id, "cc");
+    assert_eq!(
+        id(&[("x-session-id", "oc"), ("x-claude-code-session-id", "cc")]).session_id,
+        "cc"
+    );
     assert_eq!(id(&[("session-id", "codex")]).session_id, "codex");
     assert_eq!(id(&[]).session_id, "pck");
-    let codex = id(&[("session-id", "root"), ("thread-id", "child"), ("x-codex-parent-thread-id", "root")]);
+    let codex = id(&[
+        ("session-id", "root"),
+        ("thread-id", "child"),
+        ("x-codex-parent-thread-id", "root"),
+    ]);
     assert_eq!((codex.agent_id.as_str(), codex.parent_id.as_str()), ("child", "root"));
     assert_eq!(id(&[("session-id", "root"), ("thread-id", "root")]).agent_id, "");
     assert!(id(&[("x-dynamo-session-final", "true")]).session_final);
@@ -110,7 +123,10 @@ fn anthropic_user_id_yields_the_session_in_both_forms() {
         "metadata": {"user_id": "{\"device_id\":\"d\",\"account_uuid\":\"a\",\"session_id\":\"77aa\"}"}});
     let id = |body: &serde_json::Value| {
         let bytes = serde_json::to_vec(body).unwrap();
-        understand(Api::Messages, &headers(&[]), &bytes, &FilterConfig::default()).unwrap().identity.session_id
+        understand(Api::Messages, &headers(&[]), &bytes, &FilterConfig::default())
+            .unwrap()
+            .identity
+            .session_id
     };
     assert_eq!(id(&legacy), "5f1e");
     assert_eq!(id(&modern), "77aa");
@@ -118,9 +134,13 @@ fn anthropic_user_id_yields_the_session_in_both_forms() {
 
 #[test]
 fn tenant_from_a_credential_is_a_hash_never_the_key() {
-    let t = understood(&chat(1), &[("authorization", "Bearer sk-secret")]).identity.tenant;
+    let t = understood(&chat(1), &[("authorization", "Bearer sk-secret")])
+        .identity
+        .tenant;
     assert!(t.starts_with("key:") && !t.contains("secret") && t.len() == 20, "{t}");
-    let other = understood(&chat(1), &[("authorization", "Bearer sk-other")]).identity.tenant;
+    let other = understood(&chat(1), &[("authorization", "Bearer sk-other")])
+        .identity
+        .tenant;
     assert_ne!(t, other);
 }
 
@@ -129,7 +149,14 @@ fn invalid_or_misshapen_bodies_are_not_understood_and_never_panic() {
     let cfg = FilterConfig::default();
     let none = headers(&[]);
     let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
-    for body in [&b"{"[..], b"", b"\xff\xfe", deep.as_bytes(), b"[1,2]", b"{\"messages\": 3}"] {
+    for body in [
+        &b"{"[..],
+        b"",
+        b"\xff\xfe",
+        deep.as_bytes(),
+        b"[1,2]",
+        b"{\"messages\": 3}",
+    ] {
         assert!(understand(Api::ChatCompletions, &none, body, &cfg).is_err());
     }
     assert_eq!(
@@ -143,10 +170,19 @@ fn every_api_has_a_canonical_stream() {
     let cfg = FilterConfig::default();
     let none = headers(&[]);
     for (path, body) in [
-        ("/v1/chat/completions", r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+        ),
         ("/v1/completions?x=1", r#"{"model":"m","prompt":["a","b"]}"#),
-        ("/v1/responses", r#"{"model":"m","instructions":"be brief","input":[{"role":"user","content":"hi"}]}"#),
-        ("/v1/messages", r#"{"model":"m","system":[{"type":"text","text":"sys"}],"messages":[{"role":"user","content":"hi"}]}"#),
+        (
+            "/v1/responses",
+            r#"{"model":"m","instructions":"be brief","input":[{"role":"user","content":"hi"}]}"#,
+        ),
+        (
+            "/v1/messages",
+            r#"{"model":"m","system":[{"type":"text","text":"sys"}],"messages":[{"role":"user","content":"hi"}]}"#,
+        ),
     ] {
         let api = Api::from_path(path).unwrap();
         let got = understand(api, &none, body.as_bytes(), &cfg).unwrap();

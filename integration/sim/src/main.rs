@@ -118,7 +118,11 @@ fn tag(app: &App, request_headers: &HeaderMap, body: &[u8], mut response: Respon
 }
 
 fn error(status: StatusCode, message: &str) -> Response {
-    (status, axum::Json(json!({"error": {"message": message, "type": "invalid_request_error"}}))).into_response()
+    (
+        status,
+        axum::Json(json!({"error": {"message": message, "type": "invalid_request_error"}})),
+    )
+        .into_response()
 }
 
 async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
@@ -137,14 +141,19 @@ async fn serve_chat(app: &App, request: &Value, messages: &[Value]) -> Response 
     let output_tokens = ["max_completion_tokens", "max_tokens"]
         .iter()
         .find_map(|k| request.get(*k).and_then(Value::as_u64))
-        .map_or(app.args.default_output_tokens, |n| u32::try_from(n.min(4096)).unwrap_or(4096));
+        .map_or(app.args.default_output_tokens, |n| {
+            u32::try_from(n.min(4096)).unwrap_or(4096)
+        });
     let served: Served = app.engine().admit(&prompt);
     let prefill = app.scaled(Duration::from_secs_f64(
         served.uncached_tokens() as f64 * app.args.prefill_us_per_token / 1e6,
     ));
     let per_token = app.scaled(Duration::from_secs_f64(app.args.decode_ms_per_token / 1e3));
     let model = request.get("model").and_then(Value::as_str).unwrap_or("sim").to_owned();
-    let text = format!("[{}] read {} prompt tokens, {} from cache.", app.name, served.prompt_tokens, served.cached_tokens);
+    let text = format!(
+        "[{}] read {} prompt tokens, {} from cache.",
+        app.name, served.prompt_tokens, served.cached_tokens
+    );
     let usage = json!({
         "prompt_tokens": served.prompt_tokens,
         "completion_tokens": output_tokens,
@@ -175,7 +184,9 @@ async fn serve_chat(app: &App, request: &Value, messages: &[Value]) -> Response 
     };
     let events = async_stream(move |tx| async move {
         tokio::time::sleep(prefill).await;
-        let _ = tx.send(sse(&chunk(json!({"role": "assistant", "content": ""}), Value::Null))).await;
+        let _ = tx
+            .send(sse(&chunk(json!({"role": "assistant", "content": ""}), Value::Null)))
+            .await;
         for i in 0..output_tokens as usize {
             tokio::time::sleep(per_token).await;
             let word = words.get(i).cloned().unwrap_or_default();
@@ -187,7 +198,10 @@ async fn serve_chat(app: &App, request: &Value, messages: &[Value]) -> Response 
         }
         let _ = tx.send(sse(&last)).await;
         let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-        engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finish();
+        engine
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .finish();
     });
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
@@ -212,7 +226,8 @@ where
 }
 
 async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
-    let body = axum::Json(json!({"object": "list", "data": [{"id": "sim", "object": "model", "owned_by": &*app.name}]}));
+    let body =
+        axum::Json(json!({"object": "list", "data": [{"id": "sim", "object": "model", "owned_by": &*app.name}]}));
     tag(&app, &headers, b"", body.into_response())
 }
 

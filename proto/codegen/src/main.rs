@@ -33,17 +33,22 @@ fn main() -> anyhow::Result<()> {
     let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let committed = proto_root.join("src/gen");
     if check {
-        let scratch = std::env::temp_dir().join(format!("kvmesh-codegen-{}", std::process::id()));
-        std::fs::create_dir_all(&scratch)?;
-        let result = generate(&proto_root, &scratch).and_then(|()| compare(&scratch, &committed));
-        let _ = std::fs::remove_dir_all(&scratch);
-        result?;
+        check_committed(&proto_root)?;
         println!("proto/src/gen is up to date");
     } else {
         generate(&proto_root, &committed)?;
         println!("regenerated {}", committed.display());
     }
     Ok(())
+}
+
+/// Regenerates into a scratch directory and compares with the committed code.
+fn check_committed(proto_root: &Path) -> anyhow::Result<()> {
+    let scratch = std::env::temp_dir().join(format!("kvmesh-codegen-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    let result = generate(proto_root, &scratch).and_then(|()| compare(&scratch, &proto_root.join("src/gen")));
+    let _ = std::fs::remove_dir_all(&scratch);
+    result
 }
 
 fn generate(proto_root: &Path, out_dir: &Path) -> anyhow::Result<()> {
@@ -87,4 +92,13 @@ fn compare(generated: &Path, committed: &Path) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn committed_code_matches_the_proto() -> anyhow::Result<()> {
+        let proto_root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        super::check_committed(&proto_root)
+    }
 }

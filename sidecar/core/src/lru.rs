@@ -46,7 +46,9 @@ impl<K: Hash + Eq + Clone> Lru<K> {
         self.by_age.insert(self.clock, key);
         let mut evicted = 0;
         while self.stamp_of.len() > self.capacity {
-            let Some((_, oldest)) = self.by_age.pop_first() else { break };
+            let Some((_, oldest)) = self.by_age.pop_first() else {
+                break;
+            };
             self.stamp_of.remove(&oldest);
             evicted += 1;
         }

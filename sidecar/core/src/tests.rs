@@ -59,7 +59,11 @@ fn a_short_shared_prefix_does_not_pile_sessions_onto_one_worker() {
 fn partial_tail_is_not_indexed() {
     let mut r = router(2);
     let hashes = blocks(1, 3);
-    let d = r.pick(PickInput { block_hashes: &hashes, last_block_partial: true, session_id: "" });
+    let d = r.pick(PickInput {
+        block_hashes: &hashes,
+        last_block_partial: true,
+        session_id: "",
+    });
     assert_eq!(r.workers()[d.ranked[0].0].cached_blocks, 2);
 }
 
@@ -89,7 +93,10 @@ fn unhealthy_workers_are_never_ranked_and_none_left_means_no_destination() {
 #[test]
 fn in_flight_is_released_once_per_pick_and_bounded_without_reports() {
     let mut r = Router::new(
-        RouterConfig { max_pending_picks: 4, ..RouterConfig::default() },
+        RouterConfig {
+            max_pending_picks: 4,
+            ..RouterConfig::default()
+        },
         ["a:1".to_owned()],
     );
     let d = pick(&mut r, &[1], "");

@@ -1,0 +1,49 @@
+# kvmesh tasks. `./dev <recipe>` installs the tools first; `just <recipe>`
+# works once they are on PATH.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+wasm_target := "wasm32-wasip1"
+
+# List the recipes.
+default:
+    @just --list
+
+# Build the sidecar, the simulator and the demo (debug) and the Wasm filter (release).
+build:
+    cargo build --workspace --bins --locked
+    cargo build --release --locked --target {{wasm_target}} -p kvmesh-filter
+    @ls -l target/{{wasm_target}}/release/kvmesh_filter.wasm
+
+# Run the demo: Envoy + filter + sidecar + 3 simulated workers, two agent sessions.
+demo: build
+    ./target/debug/kvmesh-demo
+
+# The whole suite, as CI runs it: formatting, lints, codegen drift, unit and end-to-end tests.
+test: check-fmt clippy check-codegen build
+    cargo test --workspace --locked
+
+# Formatting must be clean.
+check-fmt:
+    cargo fmt --all -- --check
+
+# Clippy with warnings denied, natively and for the Wasm build.
+clippy:
+    cargo clippy --workspace --all-targets --locked -- -D warnings
+    cargo clippy --locked --target {{wasm_target}} -p kvmesh-filter -p kvmesh-request -p kvmesh-proto -- -D warnings
+
+# Regenerate proto/src/gen from proto/kvmesh/v1/kvmesh.proto.
+codegen:
+    cargo run -q --locked -p kvmesh-proto-codegen
+
+# Fail if proto/src/gen drifted from the proto.
+check-codegen:
+    cargo run -q --locked -p kvmesh-proto-codegen -- --check
+
+# Validate envoy/envoy.yaml with the real Envoy (loads the filter, binds nothing).
+validate-envoy: build
+    envoy --mode validate --disable-hot-restart -c envoy/envoy.yaml
+
+# Run the standalone Envoy of envoy/envoy.yaml in the foreground.
+envoy: build
+    envoy -c envoy/envoy.yaml --disable-hot-restart

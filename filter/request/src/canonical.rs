@@ -66,13 +66,7 @@ pub fn canonical_stream(api: Api, body: &Value) -> Result<Vec<u8>, CanonicalErro
     match api {
         Api::ChatCompletions => {
             section(&mut out, "tools", body.get("tools"));
-            let messages = body
-                .get("messages")
-                .and_then(Value::as_array)
-                .ok_or(CanonicalError::MissingField("messages"))?;
-            for message in messages {
-                push_message(&mut out, message);
-            }
+            push_messages(&mut out, body)?;
         }
         Api::Completions => match body.get("prompt") {
             Some(prompt @ (Value::String(_) | Value::Array(_))) => section(&mut out, "prompt", Some(prompt)),
@@ -91,16 +85,22 @@ pub fn canonical_stream(api: Api, body: &Value) -> Result<Vec<u8>, CanonicalErro
         Api::Messages => {
             section(&mut out, "tools", body.get("tools"));
             section(&mut out, "system", body.get("system"));
-            let messages = body
-                .get("messages")
-                .and_then(Value::as_array)
-                .ok_or(CanonicalError::MissingField("messages"))?;
-            for message in messages {
-                push_message(&mut out, message);
-            }
+            push_messages(&mut out, body)?;
         }
     }
     Ok(out)
+}
+
+/// The `messages` array both chat APIs require.
+fn push_messages(out: &mut Vec<u8>, body: &serde_json::Map<String, Value>) -> Result<(), CanonicalError> {
+    let messages = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or(CanonicalError::MissingField("messages"))?;
+    for message in messages {
+        push_message(out, message);
+    }
+    Ok(())
 }
 
 fn section(out: &mut Vec<u8>, name: &str, value: Option<&Value>) {

@@ -71,6 +71,10 @@ impl RootContext for Root {
             api: None,
             path: String::new(),
             started: None,
+            asked: None,
+            pick_id: None,
+            first_byte: None,
+            status: 0,
         }))
     }
 
@@ -96,6 +100,20 @@ struct RequestFilter {
     api: Option<Api>,
     path: String,
     started: Option<SystemTime>,
+    /// The Pick asked for this request, kept to report its outcome.
+    asked: Option<Asked>,
+    /// The sidecar's answer, once it routed the request.
+    pick_id: Option<u64>,
+    first_byte: Option<SystemTime>,
+    status: u32,
+}
+
+/// What the outcome report repeats from the Pick.
+#[derive(Debug)]
+struct Asked {
+    session_id: String,
+    tenant: String,
+    model: String,
 }
 
 impl RequestFilter {
@@ -172,7 +190,13 @@ impl RequestFilter {
         if understood.hashes.truncated {
             self.shared.metrics.inc(self.shared.metrics.blocks_capped);
         }
-        let message = self.pick_request(understood).encode_to_vec();
+        let pick = self.pick_request(understood);
+        let message = pick.encode_to_vec();
+        self.asked = Some(Asked {
+            session_id: pick.session_id,
+            tenant: pick.tenant,
+            model: pick.model,
+        });
         let timeout = Duration::from_millis(self.config().sidecar_timeout_ms);
         let cluster = self.config().sidecar_cluster.clone();
         match self.dispatch_grpc_call(
@@ -235,6 +259,53 @@ impl RequestFilter {
         }
         self.set_http_request_header(DESTINATION_HEADER, Some(&destinations.join(",")));
         self.shared.metrics.inc(self.shared.metrics.picks);
+        self.pick_id = Some(reply.pick_id);
+    }
+
+    fn millis_since(&self, start: Option<SystemTime>, end: SystemTime) -> u32 {
+        start
+            .and_then(|s| end.duration_since(s).ok())
+            .map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX))
+    }
+
+    /// Tells the sidecar how a routed request ended, so it releases the
+    /// request's in-flight slot. Aborted requests report too (status 0).
+    /// Fire and forget: nothing waits on the answer.
+    fn report_outcome(&mut self) {
+        let (Some(pick_id), Some(asked)) = (self.pick_id, self.asked.take()) else {
+            return;
+        };
+        let now = self.get_current_time();
+        let destination = self
+            .get_property(vec!["upstream", "address"])
+            .and_then(|bytes| String::from_utf8(bytes).ok())
+            .unwrap_or_default();
+        let outcome = v1::Outcome {
+            pick_id,
+            destination,
+            session_id: asked.session_id,
+            tenant: asked.tenant,
+            model: asked.model,
+            status: self.status,
+            prompt_tokens: None,
+            cached_tokens: None,
+            completion_tokens: None,
+            ttfb_ms: self.first_byte.map_or(0, |t| self.millis_since(self.started, t)),
+            duration_ms: self.millis_since(self.started, now),
+        };
+        let timeout = Duration::from_millis(self.config().sidecar_timeout_ms.max(1000));
+        let cluster = self.config().sidecar_cluster.clone();
+        let sent = self.dispatch_grpc_call(
+            &cluster,
+            method::SERVICE,
+            method::REPORT,
+            Vec::new(),
+            Some(&outcome.encode_to_vec()),
+            timeout,
+        );
+        if sent.is_err() {
+            self.shared.metrics.inc(self.shared.metrics.report_failed);
+        }
     }
 }
 
@@ -282,6 +353,19 @@ impl HttpContext for RequestFilter {
         }
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
         self.ask_sidecar(&body)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.first_byte = Some(self.get_current_time());
+        self.status = self
+            .get_http_response_header(":status")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.report_outcome();
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {

@@ -29,6 +29,7 @@ pub(crate) struct Metrics {
     pub(crate) passed_through: Option<u32>,
     pub(crate) forged_destination: Option<u32>,
     pub(crate) blocks_capped: Option<u32>,
+    pub(crate) report_failed: Option<u32>,
     fail_open: [Option<u32>; 7],
 }
 
@@ -40,6 +41,7 @@ impl Metrics {
             passed_through: counter("kvmesh.passed_through"),
             forged_destination: counter("kvmesh.forged_destination_removed"),
             blocks_capped: counter("kvmesh.blocks_capped"),
+            report_failed: counter("kvmesh.report_failed"),
             fail_open: [
                 "not_understood",
                 "body_too_large",

@@ -275,6 +275,51 @@ impl Cluster {
             .context("stat value")
     }
 
+    /// The sidecar's `/debug/workers` view.
+    pub async fn sidecar_workers(&self) -> anyhow::Result<Vec<Value>> {
+        let view: Value = self
+            .http
+            .get(format!("http://{}/debug/workers", self.sidecar_admin))
+            .send()
+            .await?
+            .json()
+            .await?;
+        Ok(view["workers"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// A sample from the sidecar's Prometheus `/metrics`, by its exact
+    /// series name with labels, e.g. `kvmesh_reports_total{known="true"}`.
+    pub async fn sidecar_metric(&self, series: &str) -> anyhow::Result<f64> {
+        let text = self
+            .http
+            .get(format!("http://{}/metrics", self.sidecar_admin))
+            .send()
+            .await?
+            .text()
+            .await?;
+        Ok(text
+            .lines()
+            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0))
+    }
+
+    /// Polls until every worker's in-flight count is back to zero (outcome
+    /// reports arrive just after the responses), or fails after `timeout`.
+    pub async fn wait_for_no_in_flight(&self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let workers = self.sidecar_workers().await?;
+            if workers.iter().all(|w| w["in_flight"].as_u64() == Some(0)) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("in-flight requests never drained: {workers:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Kills the sidecar (SIGKILL) and waits for it to be gone.
     pub fn kill_sidecar(&mut self) -> anyhow::Result<()> {
         self.sidecar.kill()

@@ -2,6 +2,7 @@
 //! sessions with different prefixes spread over every worker.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 
@@ -39,6 +40,12 @@ async fn a_growing_session_stays_on_one_worker_and_reuses_its_cache() -> anyhow:
         );
     }
     assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.picks").await?, 20);
+    // Every routed call reported its outcome: nothing is left in flight.
+    cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
+    assert_eq!(
+        cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}").await?,
+        20.0
+    );
     Ok(())
 }
 

@@ -10,7 +10,7 @@ use anyhow::{Context, bail};
 use serde_json::Value;
 
 use crate::envoy_config::{self, EnvoyOverrides};
-use crate::paths;
+use crate::paths::{self, Profile};
 use crate::process::Process;
 
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -23,6 +23,10 @@ pub struct ClusterOptions {
     pub plugin: Value,
     /// Extra `kvmesh-sim` flags (e.g. timing).
     pub sim_args: Vec<String>,
+    /// Also serve a listener without the kvmesh filter (`direct_url`).
+    pub baseline_listener: bool,
+    /// Debug builds for tests, release builds for benchmarks.
+    pub profile: Profile,
 }
 
 impl Default for ClusterOptions {
@@ -32,6 +36,8 @@ impl Default for ClusterOptions {
             plugin: serde_json::json!({}),
             // Instant engines: routing tests measure where calls go, not GPU time.
             sim_args: vec!["--time-scale".into(), "0".into()],
+            baseline_listener: false,
+            profile: Profile::Debug,
         }
     }
 }
@@ -81,7 +87,10 @@ pub struct Cluster {
     // Envoy goes before the sidecar and workers it talks to.
     pub envoy: Process,
     pub envoy_url: String,
+    /// The listener without the kvmesh filter, when asked for.
+    pub direct_url: Option<String>,
     pub envoy_admin: String,
+    profile: Profile,
     http: reqwest::Client,
 }
 
@@ -108,13 +117,14 @@ fn addr_after(line: &str, key: &str) -> anyhow::Result<SocketAddr> {
 /// Starts the sidecar on `grpc` (port 0 for any) for `workers`.
 pub fn start_sidecar(
     dir: &std::path::Path,
+    profile: Profile,
     grpc: SocketAddr,
     workers: &[SocketAddr],
 ) -> anyhow::Result<(Process, SocketAddr, SocketAddr)> {
     let worker_list = workers.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
     let mut sidecar = Process::spawn(
         "sidecar",
-        &paths::binary("kvmesh-sidecar")?,
+        &paths::binary("kvmesh-sidecar", profile)?,
         &[
             "--grpc-listen".into(),
             grpc.to_string(),
@@ -138,7 +148,12 @@ impl Cluster {
         for i in 0..options.workers {
             let mut args = vec!["--listen".to_owned(), "127.0.0.1:0".to_owned()];
             args.extend(options.sim_args.iter().cloned());
-            let mut process = Process::spawn(&format!("worker{i}"), &paths::binary("kvmesh-sim")?, &args, &dir)?;
+            let mut process = Process::spawn(
+                &format!("worker{i}"),
+                &paths::binary("kvmesh-sim", options.profile)?,
+                &args,
+                &dir,
+            )?;
             let line = process.wait_for_line("listening on", START_TIMEOUT)?;
             let addr = line
                 .rsplit(' ')
@@ -149,7 +164,8 @@ impl Cluster {
             workers.push(Worker { addr, process });
         }
         let addrs: Vec<SocketAddr> = workers.iter().map(|w| w.addr).collect();
-        let (sidecar, sidecar_grpc, sidecar_admin) = start_sidecar(&dir, "127.0.0.1:0".parse()?, &addrs)?;
+        let (sidecar, sidecar_grpc, sidecar_admin) =
+            start_sidecar(&dir, options.profile, "127.0.0.1:0".parse()?, &addrs)?;
 
         let wasm = paths::filter_wasm()?;
         let shipped = std::fs::read_to_string(paths::envoy_yaml())?;
@@ -160,6 +176,7 @@ impl Cluster {
                 sidecar: sidecar_grpc,
                 wasm: &wasm,
                 plugin: options.plugin.clone(),
+                baseline_listener: options.baseline_listener,
             },
         )?;
         let config = dir.join("envoy.yaml");
@@ -187,7 +204,16 @@ impl Cluster {
             .pool_max_idle_per_host(0)
             .build()?;
         let envoy_admin = wait_for_admin(&envoy, &admin_path, &http).await?;
-        let envoy_url = format!("http://127.0.0.1:{}", listener_port(&http, &envoy_admin).await?);
+        let envoy_url = format!(
+            "http://127.0.0.1:{}",
+            listener_port(&http, &envoy_admin, "agents").await?
+        );
+        let direct_url = if options.baseline_listener {
+            let port = listener_port(&http, &envoy_admin, envoy_config::BASELINE_LISTENER).await?;
+            Some(format!("http://127.0.0.1:{port}"))
+        } else {
+            None
+        };
         Ok(Self {
             dir,
             workers,
@@ -196,7 +222,9 @@ impl Cluster {
             sidecar_admin,
             envoy,
             envoy_url,
+            direct_url,
             envoy_admin,
+            profile: options.profile,
             http,
         })
     }
@@ -328,7 +356,7 @@ impl Cluster {
     /// Starts a fresh sidecar on the same gRPC address as before.
     pub fn restart_sidecar(&mut self) -> anyhow::Result<()> {
         let addrs: Vec<SocketAddr> = self.workers.iter().map(|w| w.addr).collect();
-        let (sidecar, grpc, admin) = start_sidecar(&self.dir, self.sidecar_grpc, &addrs)?;
+        let (sidecar, grpc, admin) = start_sidecar(&self.dir, self.profile, self.sidecar_grpc, &addrs)?;
         self.sidecar = sidecar;
         self.sidecar_grpc = grpc;
         self.sidecar_admin = admin;
@@ -356,17 +384,19 @@ async fn wait_for_admin(envoy: &Process, path: &std::path::Path, http: &reqwest:
     }
 }
 
-async fn listener_port(http: &reqwest::Client, admin: &str) -> anyhow::Result<u16> {
+async fn listener_port(http: &reqwest::Client, admin: &str, name: &str) -> anyhow::Result<u16> {
     let listeners: Value = http
         .get(format!("{admin}/listeners?format=json"))
         .send()
         .await?
         .json()
         .await?;
-    let port = listeners
-        .pointer("/listener_statuses/0/local_address/socket_address/port_value")
+    let port = listeners["listener_statuses"]
+        .as_array()
+        .and_then(|all| all.iter().find(|l| l["name"] == name))
+        .and_then(|l| l.pointer("/local_address/socket_address/port_value"))
         .and_then(Value::as_u64)
-        .with_context(|| format!("no listener port in {listeners}"))?;
+        .with_context(|| format!("no listener {name} in {listeners}"))?;
     Ok(u16::try_from(port)?)
 }
 

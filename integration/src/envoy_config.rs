@@ -15,7 +15,13 @@ pub struct EnvoyOverrides<'a> {
     pub wasm: &'a Path,
     /// Merged over the plugin configuration JSON (e.g. `sidecar_timeout_ms`).
     pub plugin: serde_json::Value,
+    /// Add a second listener, `agents_direct`, identical but without the
+    /// kvmesh filter: the baseline of overhead benchmarks.
+    pub baseline_listener: bool,
 }
+
+/// Name of the listener without the kvmesh filter.
+pub const BASELINE_LISTENER: &str = "agents_direct";
 
 fn get_mut<'v>(value: &'v mut Value, key: &str) -> anyhow::Result<&'v mut Value> {
     value.get_mut(key).ok_or_else(|| anyhow!("envoy.yaml: no `{key}`"))
@@ -85,6 +91,19 @@ pub fn render(shipped: &str, o: &EnvoyOverrides<'_>) -> anyhow::Result<String> {
         }
     }
     *plugin = json.to_string().into();
+
+    if o.baseline_listener {
+        let mut direct = named(get_mut(resources, "listeners")?, "agents")?.clone();
+        direct["name"] = BASELINE_LISTENER.into();
+        let filters = direct["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+            .as_sequence_mut()
+            .ok_or_else(|| anyhow!("envoy.yaml: no http_filters"))?;
+        filters.retain(|f| f.get("name").and_then(Value::as_str) != Some("kvmesh"));
+        get_mut(resources, "listeners")?
+            .as_sequence_mut()
+            .ok_or_else(|| anyhow!("envoy.yaml: listeners is not a list"))?
+            .push(direct);
+    }
 
     let clusters = get_mut(resources, "clusters")?;
     set_endpoints(named(clusters, "gpu_workers")?, o.workers)?;

@@ -16,14 +16,24 @@ fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| repo_root().join("target"), PathBuf::from)
 }
 
-/// A workspace binary built by `cargo build` (dev profile).
-pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
-    let path = target_dir().join("debug").join(name);
+/// Which build of the workspace's binaries to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Profile {
+    /// `cargo build` (tests).
+    Debug,
+    /// `cargo build --release` (benchmarks).
+    Release,
+}
+
+/// A workspace binary built with `profile`.
+pub fn binary(name: &str, profile: Profile) -> anyhow::Result<PathBuf> {
+    let (dir, build) = match profile {
+        Profile::Debug => ("debug", "cargo build --workspace --bins"),
+        Profile::Release => ("release", "cargo build --release --workspace --bins"),
+    };
+    let path = target_dir().join(dir).join(name);
     if !path.is_file() {
-        bail!(
-            "{} is missing: run `just build` (or `cargo build --workspace`) first",
-            path.display()
-        );
+        bail!("{} is missing: run `{build}` first", path.display());
     }
     Ok(path)
 }

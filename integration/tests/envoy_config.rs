@@ -58,6 +58,7 @@ fn a_bad_plugin_configuration_is_rejected_naming_the_field() -> anyhow::Result<(
                 sidecar: "127.0.0.1:2".parse()?,
                 wasm: &wasm,
                 plugin: bad,
+                baseline_listener: false,
             },
         )?;
         let (ok, log) = validate(&yaml, field)?;

@@ -73,7 +73,13 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
     let grpc_server = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(RouterServer::new(RouterService::new(shared.clone())))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), shutdown_signal());
+        .serve_with_incoming_shutdown(
+            // Picks are tiny request/response exchanges: with Nagle's algorithm
+            // a reply can wait out the peer's delayed ACK (tens of ms), which
+            // is longer than the filter's whole timeout.
+            tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
+            shutdown_signal(),
+        );
     let admin_server = axum::serve(admin, admin::routes(shared)).with_graceful_shutdown(shutdown_signal());
 
     info!(

@@ -1,15 +1,23 @@
 //! The canonical prefix stream: the prompt-bearing parts of a request in the
-//! order a chat template puts them (tools, system, then each message), so that
-//! a conversation that grows by appending keeps every earlier byte in place.
+//! order a chat template puts them (tools, system, then each message or input
+//! item), so a conversation that grows by appending keeps every earlier byte.
 //!
-//! Fields that never reach the prompt (`stream`, `temperature`, `max_tokens`,
-//! `metadata`, ...) are not read. Object keys serialize sorted, so a client
-//! that reorders keys between calls does not break its own prefix.
+//! Each part is the client's own JSON, minified, with `cache_control` removed
+//! at any depth: Claude Code and OpenCode move that marker to the newest
+//! messages on every call, and it never reaches the prompt. Fields outside
+//! the prompt (`stream`, `temperature`, `max_tokens`, `metadata`, ...) are
+//! never read into the stream.
 
+use std::borrow::Cow;
+use std::ops::Range;
+
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+use crate::scan::{self, ScanError};
+
 /// The inference APIs the filter understands. Other paths pass through.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Api {
     /// OpenAI `/v1/chat/completions`.
     ChatCompletions,
@@ -22,6 +30,14 @@ pub enum Api {
 }
 
 impl Api {
+    /// Every API, in a fixed order (for per-API metrics).
+    pub const ALL: [Self; 4] = [
+        Self::ChatCompletions,
+        Self::Completions,
+        Self::Responses,
+        Self::Messages,
+    ];
+
     /// The API served at `path` (query string ignored), if any.
     pub fn from_path(path: &str) -> Option<Self> {
         let path = path.split_once('?').map_or(path, |(p, _)| p);
@@ -45,108 +61,202 @@ impl Api {
     }
 }
 
-/// A JSON body that is not the shape its API requires.
+/// A body that is not the shape its API requires.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum CanonicalError {
-    #[error("body is not a JSON object")]
-    NotAnObject,
+    #[error("body is not a JSON object: {0}")]
+    Malformed(#[from] ScanError),
     #[error("`{0}` is missing or has the wrong type")]
     MissingField(&'static str),
 }
 
-// Separators that cannot appear in serialized JSON or in its raw strings'
-// structure, so sections and messages cannot run into each other.
+/// Keys dropped from every part: they steer provider caching, not the prompt.
+const DROPPED_KEYS: &[&str] = &["cache_control"];
+
+// Separators that never appear in minified JSON, so parts cannot run together.
 const SECTION: u8 = 0x1e;
 const FIELD: u8 = 0x1f;
 
-/// Builds the canonical stream of `body` for `api`.
-pub fn canonical_stream(api: Api, body: &Value) -> Result<Vec<u8>, CanonicalError> {
-    let body = body.as_object().ok_or(CanonicalError::NotAnObject)?;
-    let mut out = Vec::with_capacity(4096);
+/// The top-level members of a request body, found without parsing values.
+#[derive(Debug)]
+pub struct Envelope<'a> {
+    body: &'a [u8],
+    members: Vec<(Range<usize>, Range<usize>)>,
+    /// The body was cut by the filter's cap: the last member may be partial.
+    truncated: bool,
+}
+
+impl<'a> Envelope<'a> {
+    /// Splits `body` into its members. A `truncated` body (cut at the cap)
+    /// keeps what it could read; a complete one must be well formed.
+    pub fn parse(body: &'a [u8], truncated: bool) -> Result<Self, ScanError> {
+        let mut members = Vec::new();
+        let result = scan::for_each_member(body, 0..body.len(), |key, value| members.push((key, value)));
+        match result {
+            Ok(()) => {}
+            Err(ScanError::Eof) if truncated && !members.is_empty() => {}
+            Err(err) => return Err(err),
+        }
+        Ok(Self {
+            body,
+            members,
+            truncated,
+        })
+    }
+
+    /// The raw value of member `key` (the last one, as JSON parsers do).
+    pub fn raw(&self, key: &str) -> Option<&'a [u8]> {
+        let body = self.body;
+        self.span(key).map(|span| &body[span])
+    }
+
+    fn span(&self, key: &str) -> Option<Range<usize>> {
+        self.members
+            .iter()
+            .rev()
+            .find(|(k, _)| &self.body[k.clone()] == key.as_bytes())
+            .map(|(_, value)| value.clone())
+    }
+
+    /// Member `key` decoded as `T`; `None` when absent, `Err` when mistyped.
+    pub fn typed<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, ()> {
+        match self.raw(key) {
+            None | Some(b"null") => Ok(None),
+            Some(raw) => serde_json::from_slice(raw).map(Some).map_err(|_| ()),
+        }
+    }
+
+    /// A string member; `None` when absent or not a string.
+    pub fn string(&self, key: &str) -> Option<Cow<'a, str>> {
+        let raw = self.raw(key)?;
+        // Plain strings (no escapes) borrow; the rest decode.
+        if raw.len() >= 2 && raw[0] == b'"' && !raw[1..raw.len() - 1].contains(&b'\\') {
+            return std::str::from_utf8(&raw[1..raw.len() - 1]).ok().map(Cow::Borrowed);
+        }
+        serde_json::from_slice::<String>(raw).ok().map(Cow::Owned)
+    }
+
+    /// A member parsed as a JSON tree (for small members such as `metadata`).
+    pub fn value(&self, key: &str) -> Option<Value> {
+        serde_json::from_slice(self.raw(key)?).ok()
+    }
+
+    pub fn truncated(&self) -> bool {
+        self.truncated
+    }
+}
+
+/// The canonical stream of one request.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Canonical {
+    pub stream: Vec<u8>,
+    /// Parts were left out because the body was cut at the cap.
+    pub truncated: bool,
+}
+
+struct Builder<'e, 'a> {
+    envelope: &'e Envelope<'a>,
+    out: Vec<u8>,
+    truncated: bool,
+}
+
+impl Builder<'_, '_> {
+    /// Appends one part; on a cut body, a part that does not scan ends the
+    /// stream (what came before it is kept).
+    fn part(&mut self, name: &[u8], value: Range<usize>) -> Result<bool, CanonicalError> {
+        let mark = self.out.len();
+        self.out.push(SECTION);
+        self.out.extend_from_slice(name);
+        self.out.push(FIELD);
+        match scan::write_minified(self.envelope.body, value, DROPPED_KEYS, &mut self.out) {
+            Ok(()) => Ok(true),
+            Err(_) if self.envelope.truncated => {
+                self.out.truncate(mark);
+                self.truncated = true;
+                Ok(false)
+            }
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// A top-level member as one part, if present and not null.
+    fn member(&mut self, key: &'static str) -> Result<bool, CanonicalError> {
+        match self.envelope.span(key) {
+            Some(span) if &self.envelope.body[span.clone()] != b"null" => self.part(key.as_bytes(), span),
+            _ => Ok(true),
+        }
+    }
+
+    /// Each element of the array member `key` as its own part.
+    fn items(&mut self, key: &'static str, required: bool) -> Result<(), CanonicalError> {
+        let Some(span) = self.envelope.span(key) else {
+            return if required {
+                Err(CanonicalError::MissingField(key))
+            } else {
+                Ok(())
+            };
+        };
+        if self.envelope.body.get(span.start) != Some(&b'[') {
+            return Err(CanonicalError::MissingField(key));
+        }
+        let mut elements = Vec::new();
+        let scanned = scan::for_each_element(self.envelope.body, span, |e| elements.push(e));
+        match scanned {
+            Ok(()) => {}
+            Err(_) if self.envelope.truncated => self.truncated = true,
+            Err(err) => return Err(err.into()),
+        }
+        for element in elements {
+            if !self.part(b"item", element)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Builds the canonical stream of a request of `api`.
+pub fn canonical_stream(api: Api, envelope: &Envelope<'_>) -> Result<Canonical, CanonicalError> {
+    let mut b = Builder {
+        envelope,
+        out: Vec::with_capacity(envelope.body.len()),
+        truncated: false,
+    };
     match api {
         Api::ChatCompletions => {
-            section(&mut out, "tools", body.get("tools"));
-            push_messages(&mut out, body)?;
+            if b.member("tools")? {
+                b.items("messages", true)?;
+            }
         }
-        Api::Completions => match body.get("prompt") {
-            Some(prompt @ (Value::String(_) | Value::Array(_))) => section(&mut out, "prompt", Some(prompt)),
+        Api::Completions => match envelope.raw("prompt").and_then(|raw| raw.first()) {
+            Some(b'"' | b'[') => {
+                b.member("prompt")?;
+            }
+            _ if envelope.truncated() => b.truncated = true,
             _ => return Err(CanonicalError::MissingField("prompt")),
         },
         Api::Responses => {
-            section(&mut out, "tools", body.get("tools"));
-            section(&mut out, "instructions", body.get("instructions"));
-            match body.get("input") {
-                Some(Value::Array(items)) => items.iter().for_each(|item| push_message(&mut out, item)),
-                Some(text @ Value::String(_)) => section(&mut out, "input", Some(text)),
-                None => {}
-                Some(_) => return Err(CanonicalError::MissingField("input")),
+            // A continuation's prefix lives in the engine under the previous
+            // response: it starts the chain, so it never matches a fresh one.
+            if b.member("tools")? && b.member("instructions")? && b.member("previous_response_id")? {
+                match envelope.raw("input").and_then(|raw| raw.first()) {
+                    Some(b'[') => b.items("input", false)?,
+                    Some(b'"') => {
+                        b.member("input")?;
+                    }
+                    None => {}
+                    Some(_) => return Err(CanonicalError::MissingField("input")),
+                }
             }
         }
         Api::Messages => {
-            section(&mut out, "tools", body.get("tools"));
-            section(&mut out, "system", body.get("system"));
-            push_messages(&mut out, body)?;
+            if b.member("tools")? && b.member("system")? {
+                b.items("messages", true)?;
+            }
         }
     }
-    Ok(out)
-}
-
-/// The `messages` array both chat APIs require.
-fn push_messages(out: &mut Vec<u8>, body: &serde_json::Map<String, Value>) -> Result<(), CanonicalError> {
-    let messages = body
-        .get("messages")
-        .and_then(Value::as_array)
-        .ok_or(CanonicalError::MissingField("messages"))?;
-    for message in messages {
-        push_message(out, message);
-    }
-    Ok(())
-}
-
-fn section(out: &mut Vec<u8>, name: &str, value: Option<&Value>) {
-    let Some(value) = value.filter(|v| !v.is_null()) else {
-        return;
-    };
-    out.push(SECTION);
-    out.extend_from_slice(name.as_bytes());
-    out.push(FIELD);
-    push_value(out, value);
-}
-
-/// A message: its role, then its content, then anything else it carries
-/// (tool calls, tool call ids, names), in sorted key order.
-fn push_message(out: &mut Vec<u8>, message: &Value) {
-    out.push(SECTION);
-    let Some(fields) = message.as_object() else {
-        push_value(out, message);
-        return;
-    };
-    if let Some(role) = fields.get("role") {
-        push_value(out, role);
-    }
-    out.push(FIELD);
-    if let Some(content) = fields.get("content") {
-        push_value(out, content);
-    }
-    for (key, value) in fields {
-        if key == "role" || key == "content" || value.is_null() {
-            continue;
-        }
-        out.push(FIELD);
-        out.extend_from_slice(key.as_bytes());
-        out.push(FIELD);
-        push_value(out, value);
-    }
-}
-
-/// Strings go in raw (their bytes approximate what the engine tokenizes);
-/// anything else as compact JSON with sorted keys.
-fn push_value(out: &mut Vec<u8>, value: &Value) {
-    match value {
-        Value::String(text) => out.extend_from_slice(text.as_bytes()),
-        other => {
-            // Serializing a `Value` into a Vec cannot fail.
-            let _ = serde_json::to_writer(&mut *out, other);
-        }
-    }
+    Ok(Canonical {
+        truncated: b.truncated || envelope.truncated(),
+        stream: b.out,
+    })
 }

@@ -4,6 +4,56 @@
 
 use serde::Deserialize;
 
+use crate::hashing::BlockHash;
+
+/// Where an id is read from. Written in the configuration as a string:
+/// `header:<name>`, `body:<json pointer>`, `claude_user_id` (the session part
+/// of Anthropic `metadata.user_id`, in its legacy and JSON-string forms) or
+/// `codex_thread` (Codex's `thread-id` header when it differs from the
+/// session id: only subagents send a different one).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub enum IdSource {
+    Header(String),
+    Body(String),
+    ClaudeUserId,
+    CodexThread,
+}
+
+impl IdSource {
+    fn parse(text: &str) -> Result<Self, String> {
+        if let Some(name) = text.strip_prefix("header:") {
+            if !is_header_name(name) {
+                return Err(format!("{text:?}: {name:?} is not a lowercase header name"));
+            }
+            return Ok(Self::Header(name.to_owned()));
+        }
+        if let Some(pointer) = text.strip_prefix("body:") {
+            if !pointer.starts_with('/') || pointer.len() < 2 {
+                return Err(format!(
+                    "{text:?}: a body source is a JSON pointer such as body:/prompt_cache_key"
+                ));
+            }
+            return Ok(Self::Body(pointer.to_owned()));
+        }
+        match text {
+            "claude_user_id" => Ok(Self::ClaudeUserId),
+            "codex_thread" => Ok(Self::CodexThread),
+            _ => Err(format!(
+                "{text:?} is not a source (header:<name>, body:<json pointer>, claude_user_id, codex_thread)"
+            )),
+        }
+    }
+}
+
+impl TryFrom<String> for IdSource {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        Self::parse(&text)
+    }
+}
+
 /// Plugin configuration. Every field has a default, so `{}` is valid.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -16,50 +66,69 @@ pub struct FilterConfig {
     pub block_bytes: usize,
     /// Most blocks hashed per request; the rest routes on what was hashed.
     pub max_blocks: usize,
-    /// Most body bytes buffered and parsed; bigger bodies pass through unrouted.
+    /// Most body bytes parsed; a longer body routes on its first bytes.
     pub max_body_bytes: usize,
-    /// Headers naming the session, first present wins.
-    pub session_headers: Vec<String>,
-    /// Headers naming a subagent within the session.
-    pub agent_headers: Vec<String>,
-    /// Headers naming the parent of a subagent.
-    pub parent_headers: Vec<String>,
+    /// The block hash. Every Envoy of one GPU cluster must use the same.
+    pub hash: BlockHash,
+    /// Sources of the session id, first present wins.
+    pub session_sources: Vec<IdSource>,
+    /// Sources of a subagent's own id within its session.
+    pub agent_sources: Vec<IdSource>,
+    /// Sources of a subagent's parent id (else the session id).
+    pub parent_sources: Vec<IdSource>,
     /// Header naming the tenant; without it, a hash of the credential is used.
     pub tenant_header: String,
+    /// Header carrying a request priority (an integer, higher is sooner).
+    pub priority_header: String,
     /// Extra client headers to remove because they steer routing; the
     /// destination header is always removed.
     pub strip_headers: Vec<String>,
+    /// Most bytes of a non-streamed response kept to find its `usage`; longer
+    /// responses keep their tail, where engines put it.
+    pub max_response_scan_bytes: usize,
 }
 
 /// The header the filter sets, and always removes from clients.
 pub const DESTINATION_HEADER: &str = "x-kvmesh-destination";
 
+fn header(name: &str) -> IdSource {
+    IdSource::Header(name.to_owned())
+}
+
 impl Default for FilterConfig {
     fn default() -> Self {
-        let names = |list: &[&str]| list.iter().map(|s| (*s).to_owned()).collect();
         Self {
             sidecar_cluster: "kvmesh_sidecar".to_owned(),
             sidecar_timeout_ms: 50,
             block_bytes: 256,
             max_blocks: 16 * 1024,
             max_body_bytes: 8 * 1024 * 1024,
-            session_headers: names(&[
-                "x-dynamo-session-id",
-                "x-claude-code-session-id",
-                "session-id",
-                "session_id",
-                "x-session-affinity",
-                "x-session-id",
-            ]),
-            agent_headers: names(&["x-claude-code-agent-id"]),
-            parent_headers: names(&[
-                "x-dynamo-parent-session-id",
-                "x-claude-code-parent-agent-id",
-                "x-codex-parent-thread-id",
-                "x-parent-session-id",
-            ]),
+            hash: BlockHash::Xxh3,
+            // The defaults follow what the harnesses send (HARNESSES.md):
+            // Dynamo, Claude Code, Codex (both spellings), OpenCode, then the
+            // body's cache key, Claude Code's metadata, the OpenAI `user`.
+            session_sources: vec![
+                header("x-dynamo-session-id"),
+                header("x-claude-code-session-id"),
+                header("session-id"),
+                header("session_id"),
+                header("x-session-affinity"),
+                header("x-session-id"),
+                IdSource::Body("/prompt_cache_key".to_owned()),
+                IdSource::ClaudeUserId,
+                IdSource::Body("/user".to_owned()),
+            ],
+            agent_sources: vec![header("x-claude-code-agent-id"), IdSource::CodexThread],
+            parent_sources: vec![
+                header("x-dynamo-parent-session-id"),
+                header("x-claude-code-parent-agent-id"),
+                header("x-codex-parent-thread-id"),
+                header("x-parent-session-id"),
+            ],
             tenant_header: "x-kvmesh-tenant".to_owned(),
+            priority_header: "x-kvmesh-priority".to_owned(),
             strip_headers: Vec::new(),
+            max_response_scan_bytes: 64 * 1024,
         }
     }
 }
@@ -70,6 +139,13 @@ impl Default for FilterConfig {
 pub struct ConfigError {
     pub field: String,
     pub problem: String,
+}
+
+fn fail(field: &str, problem: impl Into<String>) -> Result<(), ConfigError> {
+    Err(ConfigError {
+        field: field.to_owned(),
+        problem: problem.into(),
+    })
 }
 
 impl FilterConfig {
@@ -91,12 +167,6 @@ impl FilterConfig {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let fail = |field: &str, problem: &str| {
-            Err(ConfigError {
-                field: field.to_owned(),
-                problem: problem.to_owned(),
-            })
-        };
         if self.sidecar_cluster.trim().is_empty() {
             return fail("sidecar_cluster", "must name an Envoy cluster");
         }
@@ -109,21 +179,22 @@ impl FilterConfig {
         if self.max_blocks == 0 {
             return fail("max_blocks", "must be at least 1");
         }
-        if self.max_body_bytes == 0 {
-            return fail("max_body_bytes", "must be at least 1");
+        if self.max_body_bytes < 1024 {
+            return fail("max_body_bytes", "must be at least 1024");
         }
-        for (field, list) in [
-            ("session_headers", &self.session_headers),
-            ("agent_headers", &self.agent_headers),
-            ("parent_headers", &self.parent_headers),
-            ("strip_headers", &self.strip_headers),
+        if self.max_response_scan_bytes < 1024 {
+            return fail("max_response_scan_bytes", "must be at least 1024");
+        }
+        for (field, name) in [
+            ("tenant_header", &self.tenant_header),
+            ("priority_header", &self.priority_header),
         ] {
-            if let Some(bad) = list.iter().find(|h| !is_header_name(h)) {
-                return fail(field, &format!("{bad:?} is not a lowercase header name"));
+            if !is_header_name(name) {
+                return fail(field, "must be a lowercase header name");
             }
         }
-        if !is_header_name(&self.tenant_header) {
-            return fail("tenant_header", "must be a lowercase header name");
+        if let Some(bad) = self.strip_headers.iter().find(|h| !is_header_name(h)) {
+            return fail("strip_headers", format!("{bad:?} is not a lowercase header name"));
         }
         Ok(())
     }

@@ -1,10 +1,13 @@
 //! Who a request belongs to: session, agent, parent and tenant ids, read from
-//! the ordered header and body sources of the plugin configuration.
+//! the ordered sources of the plugin configuration, and the scheduling hints
+//! a request carries.
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::FilterConfig;
+use crate::canonical::Envelope;
+use crate::config::IdSource;
 
 /// Read access to request headers by lowercase name.
 pub trait Headers {
@@ -28,70 +31,67 @@ impl Headers for Vec<(String, String)> {
 /// The ids of one request. Empty strings mean "not given".
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Identity {
+    /// The conversation (for Claude Code and Codex, shared by its subagents).
     pub session_id: String,
+    /// A subagent's own id within the session.
     pub agent_id: String,
+    /// A subagent's parent: its parent agent, else the session.
     pub parent_id: String,
     pub tenant: String,
     /// `x-dynamo-session-final: true`: the session ends with this request.
     pub session_final: bool,
 }
 
+/// Scheduling hints of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Hints {
+    pub stream: bool,
+    /// `max_completion_tokens`, `max_output_tokens`, `max_tokens`, else
+    /// Dynamo's `nvext.agent_hints.osl`.
+    pub expected_output_tokens: Option<u32>,
+    /// The priority header, else `nvext.agent_hints.priority`.
+    pub priority: Option<i32>,
+    /// Dynamo's `nvext.agent_hints.latency_sensitivity`.
+    pub latency_sensitivity: Option<f64>,
+}
+
 /// Longest id kept; longer values are cut (ids are keys, not payload).
 const MAX_ID_BYTES: usize = 256;
 
-/// Reads the ids of a request from its headers and parsed body.
-pub fn identify(headers: &impl Headers, body: &Value, config: &FilterConfig) -> Identity {
-    let session_id = first_header(headers, &config.session_headers)
-        .map(str::to_owned)
-        .or_else(|| session_from_body(body))
-        .unwrap_or_default();
-    let mut agent_id = first_header(headers, &config.agent_headers)
-        .unwrap_or_default()
-        .to_owned();
-    // Codex sends `thread-id` on every call; it only names a subagent when it
-    // differs from the root's `session-id`.
-    if agent_id.is_empty()
-        && let Some(thread) = headers.get("thread-id")
-        && thread != session_id
-    {
-        agent_id = thread.to_owned();
-    }
-    let parent_id = first_header(headers, &config.parent_headers).unwrap_or_default();
-    let tenant = tenant(headers, config);
-    Identity {
-        session_id: clip(&session_id),
-        agent_id: clip(&agent_id),
-        parent_id: clip(parent_id),
-        tenant,
-        session_final: headers
-            .get("x-dynamo-session-final")
-            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true")),
+fn read(source: &IdSource, headers: &impl Headers, envelope: &Envelope<'_>, session: &str) -> Option<String> {
+    let found = match source {
+        IdSource::Header(name) => headers.get(name).map(|v| v.trim().to_owned()),
+        IdSource::Body(pointer) => body_string(envelope, pointer),
+        IdSource::ClaudeUserId => envelope
+            .value("metadata")
+            .and_then(|m| m.get("user_id").and_then(Value::as_str).and_then(session_from_user_id)),
+        IdSource::CodexThread => headers
+            .get("thread-id")
+            .map(str::trim)
+            .filter(|thread| *thread != session)
+            .map(str::to_owned),
+    };
+    found.filter(|id| !id.is_empty()).map(|id| clip(&id))
+}
+
+/// A string at a JSON pointer of the body. The first segment is found by the
+/// scanner; only that member is parsed, and only when the pointer goes deeper.
+fn body_string(envelope: &Envelope<'_>, pointer: &str) -> Option<String> {
+    let rest = pointer.strip_prefix('/')?;
+    let (first, deeper) = rest.split_once('/').map_or((rest, None), |(f, d)| (f, Some(d)));
+    let key = first.replace("~1", "/").replace("~0", "~");
+    match deeper {
+        None => envelope.string(&key).map(|s| s.into_owned()),
+        Some(deeper) => envelope
+            .value(&key)?
+            .pointer(&format!("/{deeper}"))
+            .and_then(Value::as_str)
+            .map(str::to_owned),
     }
 }
 
-fn first_header<'h>(headers: &'h impl Headers, names: &[String]) -> Option<&'h str> {
-    names
-        .iter()
-        .filter_map(|name| headers.get(name))
-        .map(str::trim)
-        .find(|value| !value.is_empty())
-}
-
-/// Body sources, in order: `prompt_cache_key`, the session part of Anthropic
-/// `metadata.user_id` (both its legacy string and its JSON-string form), `user`.
-fn session_from_body(body: &Value) -> Option<String> {
-    fn text(v: Option<&Value>) -> Option<&str> {
-        v.and_then(Value::as_str).filter(|s| !s.is_empty())
-    }
-    text(body.get("prompt_cache_key"))
-        .map(str::to_owned)
-        .or_else(|| {
-            let user_id = text(body.get("metadata").and_then(|m| m.get("user_id")))?;
-            session_from_user_id(user_id)
-        })
-        .or_else(|| text(body.get("user")).map(str::to_owned))
-}
-
+/// Claude Code's `metadata.user_id`: `user_<hash>_account_<uuid>_session_<uuid>`
+/// up to v2.1.77, a JSON string with `session_id` since v2.1.78.
 fn session_from_user_id(user_id: &str) -> Option<String> {
     if let Some((_, session)) = user_id.rsplit_once("_session_") {
         return (!session.is_empty()).then(|| session.to_owned());
@@ -104,10 +104,69 @@ fn session_from_user_id(user_id: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
+fn first(sources: &[IdSource], headers: &impl Headers, envelope: &Envelope<'_>, session: &str) -> String {
+    sources
+        .iter()
+        .find_map(|source| read(source, headers, envelope, session))
+        .unwrap_or_default()
+}
+
+/// Reads the ids of a request from its headers and body.
+pub fn identify(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterConfig) -> Identity {
+    let session_id = first(&config.session_sources, headers, envelope, "");
+    let agent_id = first(&config.agent_sources, headers, envelope, &session_id);
+    let mut parent_id = first(&config.parent_sources, headers, envelope, &session_id);
+    // A subagent with no parent header descends from its session (Dynamo's
+    // mapping of Claude Code and Codex).
+    if parent_id.is_empty() && !agent_id.is_empty() {
+        parent_id = session_id.clone();
+    }
+    Identity {
+        tenant: tenant(headers, config),
+        session_final: headers
+            .get("x-dynamo-session-final")
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true")),
+        session_id,
+        agent_id,
+        parent_id,
+    }
+}
+
+/// Reads the scheduling hints of a request.
+pub fn hints(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterConfig) -> Hints {
+    let agent_hints = envelope
+        .value("nvext")
+        .and_then(|nvext| nvext.get("agent_hints").cloned())
+        .unwrap_or(Value::Null);
+    let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+    Hints {
+        stream: envelope.typed::<bool>("stream").ok().flatten().unwrap_or(false),
+        expected_output_tokens: ["max_completion_tokens", "max_output_tokens", "max_tokens"]
+            .iter()
+            .find_map(|key| envelope.typed::<u64>(key).ok().flatten())
+            .or_else(|| agent_hints.get("osl").and_then(Value::as_u64))
+            .map(clamp),
+        priority: headers
+            .get(&config.priority_header)
+            .and_then(|p| p.trim().parse().ok())
+            .or_else(|| {
+                agent_hints
+                    .get("priority")
+                    .and_then(Value::as_i64)
+                    .and_then(|p| i32::try_from(p).ok())
+            }),
+        latency_sensitivity: agent_hints.get("latency_sensitivity").and_then(Value::as_f64),
+    }
+}
+
 /// The tenant header if present, else a hash of the credential (never the key
 /// itself), else empty.
 fn tenant(headers: &impl Headers, config: &FilterConfig) -> String {
-    if let Some(tenant) = headers.get(&config.tenant_header).filter(|t| !t.is_empty()) {
+    if let Some(tenant) = headers
+        .get(&config.tenant_header)
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+    {
         return clip(tenant);
     }
     ["authorization", "x-api-key"]

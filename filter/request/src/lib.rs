@@ -1,6 +1,7 @@
 //! Request understanding for the kvmesh filter, with no proxy-wasm in it: which
 //! inference API a request speaks, who it belongs to (session, agent, parent,
-//! tenant) and the chained block hashes of its canonical prompt prefix.
+//! tenant), its scheduling hints, the chained block hashes of its canonical
+//! prompt prefix, and, on the way back, the usage the engine reported.
 //!
 //! Everything here is pure and runs natively in tests and in the benchmark, so
 //! the filter, the simulator and the bench hash the same bytes the same way.
@@ -10,72 +11,76 @@ mod canonical;
 mod config;
 mod hashing;
 mod identity;
+mod scan;
+mod usage;
 
-pub use canonical::{Api, CanonicalError, canonical_stream};
-pub use config::{ConfigError, DESTINATION_HEADER, FilterConfig};
-pub use hashing::{BlockHashes, block_hashes, salt};
-pub use identity::{Headers, Identity, identify};
+pub use canonical::{Api, Canonical, CanonicalError, Envelope, canonical_stream};
+pub use config::{ConfigError, DESTINATION_HEADER, FilterConfig, IdSource};
+pub use hashing::{BlockHash, BlockHashes, block_hashes, salt};
+pub use identity::{Headers, Hints, Identity, hints, identify};
+pub use scan::ScanError;
+pub use usage::{Usage, UsageReader};
 
 /// Everything the filter learns from one request before asking for a route.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Understood {
     pub api: Api,
     pub model: String,
     pub identity: Identity,
+    pub hints: Hints,
     pub hashes: BlockHashes,
-    pub stream: bool,
-    pub expected_output_tokens: Option<u32>,
+    /// The body was longer than the parse cap: routed on its first bytes.
+    pub body_truncated: bool,
 }
 
 /// Why a request is not routed on its content (it then passes through as is).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum NotUnderstood {
-    #[error("body is not valid JSON")]
-    InvalidJson,
+    #[error("body is not well-formed JSON: {0}")]
+    InvalidJson(#[from] ScanError),
     #[error(transparent)]
     Shape(#[from] CanonicalError),
+    #[error("`model` is not a string")]
+    Model,
 }
 
 /// Understands one buffered request of a known `api`.
 ///
-/// `body` may be a prefix of the real body when the filter capped it; the
-/// caller then passes `truncated_body = true` and the JSON will usually fail to
-/// parse, which routes the request without a prefix (it is never changed).
+/// `truncated` says the filter passed only the first `max_body_bytes` of a
+/// longer body: the parts before the cut are used, the rest is ignored.
 pub fn understand(
     api: Api,
     headers: &impl Headers,
     body: &[u8],
+    truncated: bool,
     config: &FilterConfig,
 ) -> Result<Understood, NotUnderstood> {
-    let json: serde_json::Value = serde_json::from_slice(body).map_err(|_| NotUnderstood::InvalidJson)?;
-    let stream_bytes = canonical_stream(api, &json)?;
-    let identity = identify(headers, &json, config);
-    let model = json
-        .get("model")
-        .and_then(serde_json::Value::as_str)
-        .unwrap_or_default()
-        .to_owned();
-    let cache_salt = json
-        .get("cache_salt")
-        .and_then(serde_json::Value::as_str)
-        .unwrap_or_default();
-    let seed = salt(&identity.tenant, &model, cache_salt);
-    let hashes = block_hashes(&seed, &stream_bytes, config.block_bytes, config.max_blocks);
+    let envelope = Envelope::parse(body, truncated)?;
+    let model = match envelope.typed::<String>("model") {
+        Ok(model) => model.unwrap_or_default(),
+        Err(()) if truncated => String::new(),
+        Err(()) => return Err(NotUnderstood::Model),
+    };
+    let canonical = canonical_stream(api, &envelope)?;
+    let identity = identify(headers, &envelope, config);
+    let hints = hints(headers, &envelope, config);
+    let cache_salt = envelope.string("cache_salt").unwrap_or_default();
+    let seed = salt(&identity.tenant, &model, &cache_salt);
+    let hashes = block_hashes(
+        config.hash,
+        &seed,
+        &canonical.stream,
+        config.block_bytes,
+        config.max_blocks,
+    );
     Ok(Understood {
         api,
         model,
         identity,
+        hints,
         hashes,
-        stream: json.get("stream").and_then(serde_json::Value::as_bool) == Some(true),
-        expected_output_tokens: expected_output_tokens(&json),
+        body_truncated: canonical.truncated,
     })
-}
-
-fn expected_output_tokens(json: &serde_json::Value) -> Option<u32> {
-    ["max_completion_tokens", "max_output_tokens", "max_tokens"]
-        .iter()
-        .find_map(|key| json.get(*key).and_then(serde_json::Value::as_u64))
-        .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
 }
 
 #[cfg(test)]

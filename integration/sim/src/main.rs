@@ -94,6 +94,10 @@ async fn main() -> anyhow::Result<()> {
         .with_state(app);
     println!("kvmesh-sim {name} listening on {addr}");
     tracing::info!("kvmesh-sim {name} serving on {addr}");
+    // No Nagle delay on small responses and SSE events.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, routes)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;

@@ -1,6 +1,6 @@
 use serde_json::json;
 
-use super::*;
+use crate::*;
 
 fn headers(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
     pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
@@ -17,7 +17,14 @@ fn chat(turns: usize) -> serde_json::Value {
 
 fn understood(body: &serde_json::Value, hdrs: &[(&str, &str)]) -> Understood {
     let bytes = serde_json::to_vec(body).unwrap();
-    understand(Api::ChatCompletions, &headers(hdrs), &bytes, &FilterConfig::default()).unwrap()
+    understand(
+        Api::ChatCompletions,
+        &headers(hdrs),
+        &bytes,
+        false,
+        &FilterConfig::default(),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -43,10 +50,12 @@ fn fields_outside_the_prompt_and_key_order_do_not_change_hashes() {
     other["metadata"] = json!({"x": 1});
     assert_eq!(a, understood(&other, &[]).hashes);
 
-    let reordered: serde_json::Value =
-        serde_json::from_str(r#"{"messages":[{"content":"hi","role":"user"}],"model":"qwen"}"#).unwrap();
-    let plain = json!({"model": "qwen", "messages": [{"role": "user", "content": "hi"}]});
-    assert_eq!(understood(&reordered, &[]).hashes, understood(&plain, &[]).hashes);
+    // Whitespace between tokens is not prompt text: compact and pretty
+    // serializations of the same body hash the same.
+    let pretty = serde_json::to_vec_pretty(&chat(3)).unwrap();
+    let cfg = FilterConfig::default();
+    let got = understand(Api::ChatCompletions, &headers(&[]), &pretty, false, &cfg).unwrap();
+    assert_eq!(got.hashes, a);
 }
 
 #[test]
@@ -77,7 +86,15 @@ fn tenants_models_and_cache_salts_never_share_hashes() {
 
 #[test]
 fn blocks_are_cut_at_block_bytes_with_a_flagged_partial_tail() {
+    for hash in [BlockHash::Xxh3, BlockHash::Sha256] {
+        blocks_cut_with(hash);
+    }
+}
+
+fn blocks_cut_with(hash: BlockHash) {
     let seed = salt("", "m", "");
+    let block_hashes =
+        |seed: &[u8], stream: &[u8], block: usize, max: usize| block_hashes(hash, seed, stream, block, max);
     let exact = block_hashes(&seed, &[7u8; 512], 256, 100);
     assert_eq!(
         (exact.hashes.len(), exact.last_partial, exact.truncated),
@@ -123,7 +140,7 @@ fn anthropic_user_id_yields_the_session_in_both_forms() {
         "metadata": {"user_id": "{\"device_id\":\"d\",\"account_uuid\":\"a\",\"session_id\":\"77aa\"}"}});
     let id = |body: &serde_json::Value| {
         let bytes = serde_json::to_vec(body).unwrap();
-        understand(Api::Messages, &headers(&[]), &bytes, &FilterConfig::default())
+        understand(Api::Messages, &headers(&[]), &bytes, false, &FilterConfig::default())
             .unwrap()
             .identity
             .session_id
@@ -157,10 +174,10 @@ fn invalid_or_misshapen_bodies_are_not_understood_and_never_panic() {
         b"[1,2]",
         b"{\"messages\": 3}",
     ] {
-        assert!(understand(Api::ChatCompletions, &none, body, &cfg).is_err());
+        assert!(understand(Api::ChatCompletions, &none, body, false, &cfg).is_err());
     }
     assert_eq!(
-        understand(Api::Completions, &none, br#"{"prompt": 5}"#, &cfg),
+        understand(Api::Completions, &none, br#"{"prompt": 5}"#, false, &cfg),
         Err(NotUnderstood::Shape(CanonicalError::MissingField("prompt")))
     );
 }
@@ -185,7 +202,7 @@ fn every_api_has_a_canonical_stream() {
         ),
     ] {
         let api = Api::from_path(path).unwrap();
-        let got = understand(api, &none, body.as_bytes(), &cfg).unwrap();
+        let got = understand(api, &none, body.as_bytes(), false, &cfg).unwrap();
         assert_eq!(got.model, "m");
         assert!(!got.hashes.hashes.is_empty(), "{path}");
     }
@@ -198,7 +215,7 @@ fn expected_output_and_stream_hints_are_read() {
     let mut body = chat(1);
     body["max_tokens"] = json!(300);
     let got = understood(&body, &[]);
-    assert_eq!((got.stream, got.expected_output_tokens), (true, Some(300)));
+    assert_eq!((got.hints.stream, got.hints.expected_output_tokens), (true, Some(300)));
 }
 
 #[test]
@@ -207,7 +224,9 @@ fn configuration_errors_name_the_field() {
     assert_eq!(err(r#"{"sidecar_timeout_ms": "fast"}"#), "sidecar_timeout_ms");
     assert_eq!(err(r#"{"sidecar_timeout_ms": 0}"#), "sidecar_timeout_ms");
     assert_eq!(err(r#"{"block_bytes": 3}"#), "block_bytes");
-    assert_eq!(err(r#"{"session_headers": ["X-Bad Name"]}"#), "session_headers");
+    assert_eq!(err(r#"{"session_sources": ["header:X-Bad"]}"#), "session_sources[0]");
+    assert_eq!(err(r#"{"agent_sources": ["cookie:x"]}"#), "agent_sources[0]");
+    assert_eq!(err(r#"{"hash": "md5"}"#), "hash");
     assert_eq!(err(r#"{"sidecar_clustr": "x"}"#), "sidecar_clustr");
     assert!(err("[").contains("root"));
     assert_eq!(FilterConfig::from_json(b"").unwrap(), FilterConfig::default());

@@ -1,0 +1,3 @@
+mod scan;
+mod understand;
+mod usage;

@@ -1,0 +1,32 @@
+//! `kvmesh-bench`: kvmesh's benchmarks, one subcommand each.
+//!
+//! `filter-overhead` measures what the kvmesh filter adds to a request in the
+//! real Envoy: one Envoy serves two identical listeners, one with the filter
+//! (and so a sidecar round trip) and one without, in front of the same
+//! instant simulated worker; requests alternate between them, so both see the
+//! same machine noise, and the difference of their latency is the filter's.
+#![forbid(unsafe_code)]
+
+mod overhead;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "kvmesh-bench", version, about = "kvmesh benchmarks")]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Added latency of the kvmesh filter in the real Envoy, by body size.
+    FilterOverhead(overhead::Options),
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    match Args::parse().command {
+        Command::FilterOverhead(options) => overhead::run(options).await,
+    }
+}

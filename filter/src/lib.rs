@@ -1,8 +1,9 @@
 //! The kvmesh proxy-wasm HTTP filter: thin glue between Envoy and the pure
 //! `kvmesh-request` crate. Per request it strips client routing headers,
 //! buffers the body, hashes its canonical prefix, asks the sidecar for a
-//! destination over gRPC and sets `x-kvmesh-destination`. Every error path
-//! fails open: the request continues unchanged and Envoy balances it.
+//! destination over gRPC and sets `x-kvmesh-destination`; on the way back it
+//! reads the engine's `usage` and reports the outcome. Every error path fails
+//! open: the request continues unchanged and Envoy balances it.
 #![forbid(unsafe_code)]
 
 mod metrics;
@@ -11,7 +12,7 @@ use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
 use kvmesh_proto::{method, v1};
-use kvmesh_request::{Api, DESTINATION_HEADER, FilterConfig, Understood};
+use kvmesh_request::{Api, DESTINATION_HEADER, FilterConfig, Understood, UsageReader};
 use log::{debug, info, warn};
 use prost::Message;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -45,8 +46,8 @@ impl RootContext for Root {
         match FilterConfig::from_json(&raw) {
             Ok(config) => {
                 info!(
-                    "kvmesh filter configured: sidecar cluster {:?}, timeout {} ms, {}-byte blocks",
-                    config.sidecar_cluster, config.sidecar_timeout_ms, config.block_bytes
+                    "kvmesh filter configured: sidecar cluster {:?}, timeout {} ms, {}-byte blocks, {:?} hash",
+                    config.sidecar_cluster, config.sidecar_timeout_ms, config.block_bytes, config.hash
                 );
                 self.shared = Some(Rc::new(Shared {
                     config,
@@ -75,6 +76,7 @@ impl RootContext for Root {
             pick_id: None,
             first_byte: None,
             status: 0,
+            usage: None,
         }))
     }
 
@@ -94,6 +96,15 @@ enum State {
     AwaitingPick,
 }
 
+/// What the outcome report repeats from the Pick.
+#[derive(Debug)]
+struct Asked {
+    session_id: String,
+    tenant: String,
+    model: String,
+    api: Api,
+}
+
 struct RequestFilter {
     shared: Rc<Shared>,
     state: State,
@@ -106,14 +117,8 @@ struct RequestFilter {
     pick_id: Option<u64>,
     first_byte: Option<SystemTime>,
     status: u32,
-}
-
-/// What the outcome report repeats from the Pick.
-#[derive(Debug)]
-struct Asked {
-    session_id: String,
-    tenant: String,
-    model: String,
+    /// Reads `usage` from a routed request's response.
+    usage: Option<UsageReader>,
 }
 
 impl RequestFilter {
@@ -121,10 +126,14 @@ impl RequestFilter {
         &self.shared.config
     }
 
+    fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
     /// Removes every header a client could use to steer routing.
     fn strip_routing_headers(&self) {
         if self.get_http_request_header(DESTINATION_HEADER).is_some() {
-            self.shared.metrics.inc(self.shared.metrics.forged_destination);
+            self.metrics().inc(self.metrics().forged_destination);
             self.set_http_request_header(DESTINATION_HEADER, None);
         }
         for name in &self.config().strip_headers {
@@ -144,21 +153,22 @@ impl RequestFilter {
     }
 
     fn fail_open(&mut self, why: FailOpen) -> Action {
-        self.shared.metrics.fail_open(why);
+        self.metrics().fail_open(why);
         self.state = State::PassThrough;
         Action::Continue
     }
 
     fn pick_request(&self, understood: Understood) -> v1::PickRequest {
         let Understood {
+            api,
             model,
             identity,
+            hints,
             hashes,
-            stream,
-            expected_output_tokens,
-            ..
+            body_truncated,
         } = understood;
         v1::PickRequest {
+            truncated: body_truncated || hashes.truncated,
             block_hashes: hashes.hashes,
             last_block_partial: hashes.last_partial,
             block_bytes: u32::try_from(self.config().block_bytes).unwrap_or(u32::MAX),
@@ -169,26 +179,34 @@ impl RequestFilter {
             tenant: identity.tenant,
             model,
             path: self.path.clone(),
-            expected_output_tokens,
-            stream,
+            expected_output_tokens: hints.expected_output_tokens,
+            stream: hints.stream,
             session_final: identity.session_final,
+            priority: hints.priority,
+            latency_sensitivity: hints.latency_sensitivity,
+            api: api.name().to_owned(),
         }
     }
 
-    fn ask_sidecar(&mut self, body: &[u8]) -> Action {
+    /// Understands the (possibly cut) body and dispatches the Pick.
+    fn ask_sidecar(&mut self, body: &[u8], body_truncated: bool) -> Action {
         let Some(api) = self.api else {
             return self.fail_open(FailOpen::NotUnderstood);
         };
         let headers = self.get_http_request_headers();
-        let understood = match kvmesh_request::understand(api, &headers, body, self.config()) {
+        let understood = match kvmesh_request::understand(api, &headers, body, body_truncated, self.config()) {
             Ok(understood) => understood,
             Err(err) => {
                 debug!("kvmesh: {} request not routed on content: {err}", api.name());
+                self.metrics().parse_error(api);
                 return self.fail_open(FailOpen::NotUnderstood);
             }
         };
+        if understood.body_truncated {
+            self.metrics().inc(self.metrics().truncated_body);
+        }
         if understood.hashes.truncated {
-            self.shared.metrics.inc(self.shared.metrics.blocks_capped);
+            self.metrics().inc(self.metrics().truncated_blocks);
         }
         let pick = self.pick_request(understood);
         let message = pick.encode_to_vec();
@@ -196,17 +214,11 @@ impl RequestFilter {
             session_id: pick.session_id,
             tenant: pick.tenant,
             model: pick.model,
+            api,
         });
         let timeout = Duration::from_millis(self.config().sidecar_timeout_ms);
         let cluster = self.config().sidecar_cluster.clone();
-        match self.dispatch_grpc_call(
-            &cluster,
-            method::SERVICE,
-            method::PICK,
-            Vec::new(),
-            Some(&message),
-            timeout,
-        ) {
+        match self.dispatch_grpc_call(&cluster, method::SERVICE, method::PICK, Vec::new(), Some(&message), timeout) {
             Ok(_token) => {
                 self.state = State::AwaitingPick;
                 Action::Pause
@@ -237,14 +249,14 @@ impl RequestFilter {
                 FailOpen::SidecarError
             };
             debug!("kvmesh: Pick failed with gRPC status {status_code} ({message}) after {waited:?}");
-            self.shared.metrics.fail_open(why);
+            self.metrics().fail_open(why);
             return;
         }
         let reply = self
             .get_grpc_call_response_body(0, response_size)
             .and_then(|bytes| v1::PickReply::decode(bytes.as_slice()).ok());
         let Some(reply) = reply else {
-            self.shared.metrics.fail_open(FailOpen::BadReply);
+            self.metrics().fail_open(FailOpen::BadReply);
             return;
         };
         let destinations: Vec<&str> = reply
@@ -254,11 +266,11 @@ impl RequestFilter {
             .filter(|d| is_host_port(d))
             .collect();
         if destinations.is_empty() {
-            self.shared.metrics.fail_open(FailOpen::NoDestination);
+            self.metrics().fail_open(FailOpen::NoDestination);
             return;
         }
         self.set_http_request_header(DESTINATION_HEADER, Some(&destinations.join(",")));
-        self.shared.metrics.inc(self.shared.metrics.picks);
+        self.metrics().inc(self.metrics().picks);
         self.pick_id = Some(reply.pick_id);
     }
 
@@ -269,12 +281,17 @@ impl RequestFilter {
     }
 
     /// Tells the sidecar how a routed request ended, so it releases the
-    /// request's in-flight slot. Aborted requests report too (status 0).
+    /// request's in-flight slot and learns what the engine had cached.
+    /// Aborted and failed requests report too (status 0 or the error).
     /// Fire and forget: nothing waits on the answer.
     fn report_outcome(&mut self) {
         let (Some(pick_id), Some(asked)) = (self.pick_id, self.asked.take()) else {
             return;
         };
+        let usage = self.usage.take().map(UsageReader::finish).unwrap_or_default();
+        if usage.prompt_tokens.is_some() {
+            self.metrics().inc(self.metrics().outcomes_with_usage);
+        }
         let now = self.get_current_time();
         let destination = self
             .get_property(vec!["upstream", "address"])
@@ -287,30 +304,27 @@ impl RequestFilter {
             tenant: asked.tenant,
             model: asked.model,
             status: self.status,
-            prompt_tokens: None,
-            cached_tokens: None,
-            completion_tokens: None,
+            prompt_tokens: usage.prompt_tokens,
+            cached_tokens: usage.cached_tokens,
+            completion_tokens: usage.completion_tokens,
             ttfb_ms: self.first_byte.map_or(0, |t| self.millis_since(self.started, t)),
             duration_ms: self.millis_since(self.started, now),
+            api: asked.api.name().to_owned(),
         };
+        // Reports are off the request path, so they may take longer than a Pick.
         let timeout = Duration::from_millis(self.config().sidecar_timeout_ms.max(1000));
         let cluster = self.config().sidecar_cluster.clone();
-        let sent = self.dispatch_grpc_call(
-            &cluster,
-            method::SERVICE,
-            method::REPORT,
-            Vec::new(),
-            Some(&outcome.encode_to_vec()),
-            timeout,
-        );
-        if sent.is_err() {
-            self.shared.metrics.inc(self.shared.metrics.report_failed);
+        let message = outcome.encode_to_vec();
+        match self.dispatch_grpc_call(&cluster, method::SERVICE, method::REPORT, Vec::new(), Some(&message), timeout) {
+            Ok(_) => self.metrics().inc(self.metrics().outcomes_reported),
+            Err(_) => self.metrics().inc(self.metrics().report_failed),
         }
     }
 }
 
 impl Context for RequestFilter {
     fn on_grpc_call_response(&mut self, _token_id: u32, status_code: u32, response_size: usize) {
+        // Report replies arrive here too: only a pending Pick resumes.
         if self.state != State::AwaitingPick {
             return;
         }
@@ -327,7 +341,7 @@ impl HttpContext for RequestFilter {
         self.path = self.get_http_request_header(":path").unwrap_or_default();
         self.api = Api::from_path(&self.path);
         if method != "POST" || self.api.is_none() || end_of_stream || !self.is_json() {
-            self.shared.metrics.inc(self.shared.metrics.passed_through);
+            self.metrics().inc(self.metrics().passed_through);
             return Action::Continue;
         }
         self.started = Some(self.get_current_time());
@@ -341,31 +355,19 @@ impl HttpContext for RequestFilter {
         if self.state != State::Buffering {
             return Action::Continue;
         }
-        if body_size > self.config().max_body_bytes {
-            debug!(
-                "kvmesh: body over {} bytes, not routed on content",
-                self.config().max_body_bytes
-            );
-            return self.fail_open(FailOpen::BodyTooLarge);
+        let cap = self.config().max_body_bytes;
+        if body_size > cap {
+            // Route on the first `cap` bytes now rather than buffer a body
+            // that might outgrow Envoy's buffer limit.
+            debug!("kvmesh: body over {cap} bytes, routed on its first {cap}");
+            let head = self.get_http_request_body(0, cap).unwrap_or_default();
+            return self.ask_sidecar(&head, true);
         }
         if !end_of_stream {
             return Action::Pause;
         }
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
-        self.ask_sidecar(&body)
-    }
-
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        self.first_byte = Some(self.get_current_time());
-        self.status = self
-            .get_http_response_header(":status")
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        Action::Continue
-    }
-
-    fn on_log(&mut self) {
-        self.report_outcome();
+        self.ask_sidecar(&body, false)
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
@@ -374,6 +376,37 @@ impl HttpContext for RequestFilter {
             return self.fail_open(FailOpen::NotUnderstood);
         }
         Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.first_byte = Some(self.get_current_time());
+        self.status = self
+            .get_http_response_header(":status")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        if self.pick_id.is_some() {
+            let content_type = self.get_http_response_header("content-type");
+            self.usage = Some(UsageReader::new(
+                content_type.as_deref(),
+                self.config().max_response_scan_bytes,
+            ));
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        // Each chunk is read as it passes; nothing is held back.
+        if self.usage.is_some()
+            && let Some(chunk) = self.get_http_response_body(0, body_size)
+            && let Some(reader) = self.usage.as_mut()
+        {
+            reader.feed(&chunk);
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.report_outcome();
     }
 }
 

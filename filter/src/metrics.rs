@@ -1,6 +1,7 @@
 //! The filter's counters, defined through the proxy-wasm metrics ABI so they
-//! appear in Envoy's own stats (`/stats`, Prometheus) next to its wasm stats.
+//! appear in Envoy's own stats (`wasmcustom.kvmesh.*`) next to its wasm stats.
 
+use kvmesh_request::Api;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
@@ -9,7 +10,6 @@ use proxy_wasm::types::MetricType;
 pub(crate) enum FailOpen {
     /// Not JSON, or not the shape of its API.
     NotUnderstood,
-    BodyTooLarge,
     /// Envoy refused to start the gRPC call (e.g. unknown cluster).
     Dispatch,
     /// The sidecar answered with an error or could not be reached.
@@ -22,15 +22,28 @@ pub(crate) enum FailOpen {
     NoDestination,
 }
 
+const FAIL_OPEN_REASONS: [&str; 6] = [
+    "not_understood",
+    "dispatch",
+    "sidecar_error",
+    "timeout",
+    "bad_reply",
+    "no_destination",
+];
+
 /// Metric ids; `None` where the host refused to define one (never fatal).
 #[derive(Debug)]
 pub(crate) struct Metrics {
     pub(crate) picks: Option<u32>,
     pub(crate) passed_through: Option<u32>,
     pub(crate) forged_destination: Option<u32>,
-    pub(crate) blocks_capped: Option<u32>,
+    pub(crate) truncated_body: Option<u32>,
+    pub(crate) truncated_blocks: Option<u32>,
+    pub(crate) outcomes_reported: Option<u32>,
+    pub(crate) outcomes_with_usage: Option<u32>,
     pub(crate) report_failed: Option<u32>,
-    fail_open: [Option<u32>; 7],
+    fail_open: [Option<u32>; 6],
+    parse_error: [Option<u32>; 4],
 }
 
 impl Metrics {
@@ -40,18 +53,13 @@ impl Metrics {
             picks: counter("kvmesh.picks"),
             passed_through: counter("kvmesh.passed_through"),
             forged_destination: counter("kvmesh.forged_destination_removed"),
-            blocks_capped: counter("kvmesh.blocks_capped"),
-            report_failed: counter("kvmesh.report_failed"),
-            fail_open: [
-                "not_understood",
-                "body_too_large",
-                "dispatch",
-                "sidecar_error",
-                "timeout",
-                "bad_reply",
-                "no_destination",
-            ]
-            .map(|reason| counter(&format!("kvmesh.fail_open.{reason}"))),
+            truncated_body: counter("kvmesh.truncated.body"),
+            truncated_blocks: counter("kvmesh.truncated.blocks"),
+            outcomes_reported: counter("kvmesh.outcomes.reported"),
+            outcomes_with_usage: counter("kvmesh.outcomes.with_usage"),
+            report_failed: counter("kvmesh.outcomes.report_failed"),
+            fail_open: FAIL_OPEN_REASONS.map(|reason| counter(&format!("kvmesh.fail_open.{reason}"))),
+            parse_error: Api::ALL.map(|api| counter(&format!("kvmesh.parse_error.{}", api.name()))),
         }
     }
 
@@ -63,5 +71,10 @@ impl Metrics {
 
     pub(crate) fn fail_open(&self, why: FailOpen) {
         self.inc(self.fail_open[why as usize]);
+    }
+
+    pub(crate) fn parse_error(&self, api: Api) {
+        let index = Api::ALL.iter().position(|a| *a == api).unwrap_or(0);
+        self.inc(self.parse_error[index]);
     }
 }

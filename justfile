@@ -47,3 +47,13 @@ validate-envoy: build
 # Run the standalone Envoy of envoy/envoy.yaml in the foreground.
 envoy: build
     envoy -c envoy/envoy.yaml --disable-hot-restart
+
+# The filter's request work in V8 (Node.js), per hash: docs/benchmarks.md.
+bench-v8:
+    cargo build --release --locked --target {{wasm_target}} -p kvmesh-request --example v8_throughput
+    node --no-warnings integration/bench/run-wasi.mjs target/{{wasm_target}}/release/examples/v8_throughput.wasm
+
+# What the filter adds in the real Envoy, by body size: docs/benchmarks.md.
+bench-overhead hash="xxh3": build
+    cargo build --release --locked --workspace --bins
+    ./target/release/kvmesh-bench filter-overhead --hash {{hash}}

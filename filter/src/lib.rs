@@ -218,7 +218,14 @@ impl RequestFilter {
         });
         let timeout = Duration::from_millis(self.config().sidecar_timeout_ms);
         let cluster = self.config().sidecar_cluster.clone();
-        match self.dispatch_grpc_call(&cluster, method::SERVICE, method::PICK, Vec::new(), Some(&message), timeout) {
+        match self.dispatch_grpc_call(
+            &cluster,
+            method::SERVICE,
+            method::PICK,
+            Vec::new(),
+            Some(&message),
+            timeout,
+        ) {
             Ok(_token) => {
                 self.state = State::AwaitingPick;
                 Action::Pause
@@ -315,7 +322,14 @@ impl RequestFilter {
         let timeout = Duration::from_millis(self.config().sidecar_timeout_ms.max(1000));
         let cluster = self.config().sidecar_cluster.clone();
         let message = outcome.encode_to_vec();
-        match self.dispatch_grpc_call(&cluster, method::SERVICE, method::REPORT, Vec::new(), Some(&message), timeout) {
+        match self.dispatch_grpc_call(
+            &cluster,
+            method::SERVICE,
+            method::REPORT,
+            Vec::new(),
+            Some(&message),
+            timeout,
+        ) {
             Ok(_) => self.metrics().inc(self.metrics().outcomes_reported),
             Err(_) => self.metrics().inc(self.metrics().report_failed),
         }

@@ -1,9 +1,16 @@
 //! A least-recently-used set with a capacity, as an engine's prefix cache
 //! behaves: touching a key makes it newest, inserting past capacity evicts the
 //! oldest.
+//!
+//! Touches are the hot path (every block of every routed request), so they
+//! cost one hash-map write and one queue push: the queue keeps every touch in
+//! order and stale entries (keys touched again since) are skipped when
+//! evicting and dropped when the queue grows past twice the live set.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::VecDeque;
 use std::hash::Hash;
+
+use hashbrown::HashMap;
 
 /// LRU set of `K` bounded by `capacity` entries.
 #[derive(Debug, Clone)]
@@ -11,7 +18,9 @@ pub struct Lru<K> {
     capacity: usize,
     clock: u64,
     stamp_of: HashMap<K, u64>,
-    by_age: BTreeMap<u64, K>,
+    /// Touches in order, oldest first; an entry is live while its stamp is
+    /// still the key's stamp.
+    order: VecDeque<(u64, K)>,
 }
 
 impl<K: Hash + Eq + Clone> Lru<K> {
@@ -20,7 +29,7 @@ impl<K: Hash + Eq + Clone> Lru<K> {
             capacity: capacity.max(1),
             clock: 0,
             stamp_of: HashMap::new(),
-            by_age: BTreeMap::new(),
+            order: VecDeque::new(),
         }
     }
 
@@ -36,37 +45,48 @@ impl<K: Hash + Eq + Clone> Lru<K> {
         self.stamp_of.is_empty()
     }
 
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// Inserts `key` as the newest entry (or refreshes it); returns how many
     /// old entries were evicted to make room.
     pub fn touch(&mut self, key: K) -> usize {
         self.clock += 1;
-        if let Some(old) = self.stamp_of.insert(key.clone(), self.clock) {
-            self.by_age.remove(&old);
-        }
-        self.by_age.insert(self.clock, key);
+        self.stamp_of.insert(key.clone(), self.clock);
+        self.order.push_back((self.clock, key));
         let mut evicted = 0;
         while self.stamp_of.len() > self.capacity {
-            let Some((_, oldest)) = self.by_age.pop_first() else {
+            if self.pop_oldest().is_none() {
                 break;
-            };
-            self.stamp_of.remove(&oldest);
+            }
             evicted += 1;
+        }
+        if self.order.len() > 2 * self.stamp_of.len() + 64 {
+            let stamp_of = &self.stamp_of;
+            self.order.retain(|(stamp, key)| stamp_of.get(key) == Some(stamp));
         }
         evicted
     }
 
-    pub fn remove(&mut self, key: &K) -> bool {
-        match self.stamp_of.remove(key) {
-            Some(stamp) => {
-                self.by_age.remove(&stamp);
-                true
+    /// Removes and returns the least recently used key.
+    pub fn pop_oldest(&mut self) -> Option<K> {
+        while let Some((stamp, key)) = self.order.pop_front() {
+            if self.stamp_of.get(&key) == Some(&stamp) {
+                self.stamp_of.remove(&key);
+                return Some(key);
             }
-            None => false,
         }
+        None
+    }
+
+    pub fn remove(&mut self, key: &K) -> bool {
+        // Its queue entries become stale and are skipped later.
+        self.stamp_of.remove(key).is_some()
     }
 
     pub fn clear(&mut self) {
         self.stamp_of.clear();
-        self.by_age.clear();
+        self.order.clear();
     }
 }

@@ -1,0 +1,45 @@
+//! Native cost of understanding agent requests of growing size, per hash.
+//! (Envoy's V8 runs the same code several times slower: the end-to-end
+//! figure is `kvmesh-bench filter-overhead`, in docs/benchmarks.md.)
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use kvmesh_request::{Api, BlockHash, FilterConfig, understand};
+use serde_json::json;
+
+fn agent_body(bytes: usize) -> Vec<u8> {
+    let mut messages = vec![json!({"role": "system", "content": "You are a coding agent. Use the tools. ".repeat(60)})];
+    let mut turn = 0;
+    while serde_json::to_vec(&messages).map_or(0, |v| v.len()) < bytes {
+        let result = format!(
+            "// src/file_{turn}.rs\n{}",
+            "pub fn f(x: u32) -> u32 { x * 2 }\n".repeat(60)
+        );
+        messages.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{turn}"),
+            "type": "function", "function": {"name": "read_file", "arguments": format!("{{\"path\":\"src/file_{turn}.rs\"}}")}}]}));
+        messages.push(json!({"role": "tool", "tool_call_id": format!("c{turn}"), "content": result}));
+        turn += 1;
+    }
+    serde_json::to_vec(&json!({"model": "m", "messages": messages, "stream": true})).unwrap_or_default()
+}
+
+fn bench_understand(c: &mut Criterion) {
+    let headers: Vec<(String, String)> = vec![("x-session-id".into(), "s".into())];
+    for hash in [BlockHash::Xxh3, BlockHash::Sha256] {
+        let config = FilterConfig {
+            hash,
+            ..FilterConfig::default()
+        };
+        let mut group = c.benchmark_group(format!("understand/{hash:?}"));
+        for kb in [10usize, 100, 400, 1000] {
+            let body = agent_body(kb * 1000);
+            group.throughput(Throughput::Bytes(body.len() as u64));
+            group.bench_with_input(BenchmarkId::from_parameter(format!("{kb}KB")), &body, |b, body| {
+                b.iter(|| understand(Api::ChatCompletions, &headers, body, false, &config));
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, bench_understand);
+criterion_main!(benches);

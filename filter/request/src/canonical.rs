@@ -119,10 +119,10 @@ impl<'a> Envelope<'a> {
     }
 
     /// Member `key` decoded as `T`; `None` when absent, `Err` when mistyped.
-    pub fn typed<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, ()> {
+    pub fn typed<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, serde_json::Error> {
         match self.raw(key) {
             None | Some(b"null") => Ok(None),
-            Some(raw) => serde_json::from_slice(raw).map(Some).map_err(|_| ()),
+            Some(raw) => serde_json::from_slice(raw).map(Some),
         }
     }
 

@@ -58,8 +58,8 @@ pub fn understand(
     let envelope = Envelope::parse(body, truncated)?;
     let model = match envelope.typed::<String>("model") {
         Ok(model) => model.unwrap_or_default(),
-        Err(()) if truncated => String::new(),
-        Err(()) => return Err(NotUnderstood::Model),
+        Err(_) if truncated => String::new(),
+        Err(_) => return Err(NotUnderstood::Model),
     };
     let canonical = canonical_stream(api, &envelope)?;
     let identity = identify(headers, &envelope, config);

@@ -11,7 +11,7 @@ fn arb_json() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
         Just(Value::Null),
         any::<bool>().prop_map(Value::Bool),
-        any::<i64>().prop_map(|n| Value::from(n)),
+        any::<i64>().prop_map(Value::from),
         // Exact binary fractions: serde_json's own float parsing does not
         // round-trip every f64, and that is not what is tested here.
         any::<i32>().prop_map(|n| Value::from(f64::from(n) / 8.0)),

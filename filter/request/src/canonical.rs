@@ -158,6 +158,8 @@ struct Builder<'e, 'a> {
     envelope: &'e Envelope<'a>,
     out: Vec<u8>,
     truncated: bool,
+    /// A cut body lacks a member that the stream puts before what it has.
+    unknown_order: bool,
 }
 
 impl Builder<'_, '_> {
@@ -179,11 +181,18 @@ impl Builder<'_, '_> {
         }
     }
 
-    /// A top-level member as one part, if present and not null.
+    /// A top-level member as one part, if present and not null. In a cut
+    /// body an absent member may only be further on: what follows it in the
+    /// stream cannot be known, so the stream stops being trustworthy.
     fn member(&mut self, key: &'static str) -> Result<bool, CanonicalError> {
         match self.envelope.span(key) {
             Some(span) if &self.envelope.body[span.clone()] != b"null" => self.part(key.as_bytes(), span),
-            _ => Ok(true),
+            Some(_) => Ok(true),
+            None if self.envelope.truncated => {
+                self.unknown_order = true;
+                Ok(false)
+            }
+            None => Ok(true),
         }
     }
 
@@ -221,6 +230,7 @@ pub fn canonical_stream(api: Api, envelope: &Envelope<'_>) -> Result<Canonical, 
         envelope,
         out: Vec::with_capacity(envelope.body.len()),
         truncated: false,
+        unknown_order: false,
     };
     match api {
         Api::ChatCompletions => {
@@ -254,6 +264,10 @@ pub fn canonical_stream(api: Api, envelope: &Envelope<'_>) -> Result<Canonical, 
                 b.items("messages", true)?;
             }
         }
+    }
+    if b.unknown_order {
+        // Better no prefix than a wrong one: the sidecar routes on the session.
+        b.out.clear();
     }
     Ok(Canonical {
         truncated: b.truncated || envelope.truncated(),

@@ -1,0 +1,230 @@
+//! Golden tests on request fixtures shaped like the wire traffic of Claude
+//! Code, Codex, OpenCode and OpenClaw (`tests/fixtures/*.json`, each with a
+//! `source` note on where its shape comes from).
+//!
+//! Set `KVMESH_BLESS=1` to rewrite `tests/fixtures/golden.json` after an
+//! intended change of the canonical form (every deployed filter of a GPU
+//! cluster must then be upgraded together).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kvmesh_request::{Api, FilterConfig, Understood, understand};
+use serde_json::{Value, json};
+
+#[derive(Debug)]
+struct Fixture {
+    name: String,
+    path: String,
+    headers: Vec<(String, String)>,
+    expect: Value,
+    items_key: String,
+    system_pointer: String,
+    tools_pointer: Option<String>,
+    body: Value,
+    next_turn: Value,
+}
+
+fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn fixtures() -> Vec<Fixture> {
+    let mut all = Vec::new();
+    for entry in std::fs::read_dir(fixtures_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+        if path.extension().is_none_or(|e| e != "json") || name == "golden" {
+            continue;
+        }
+        let f: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert!(
+            f["source"].as_str().is_some_and(|s| s.len() > 40),
+            "{name}: no source note"
+        );
+        all.push(Fixture {
+            headers: f["headers"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
+                .collect(),
+            path: f["api_path"].as_str().unwrap().to_owned(),
+            expect: f["expect"].clone(),
+            items_key: f["items_key"].as_str().unwrap().to_owned(),
+            system_pointer: f["system_pointer"].as_str().unwrap().to_owned(),
+            tools_pointer: f["tools_pointer"].as_str().map(str::to_owned),
+            body: f["body"].clone(),
+            next_turn: f["next_turn"].clone(),
+            name,
+        });
+    }
+    all.sort_by(|a, b| a.name.cmp(&b.name));
+    assert!(all.len() >= 8, "fixtures missing");
+    all
+}
+
+fn run(f: &Fixture, body: &Value, headers: &[(String, String)]) -> Understood {
+    let api = Api::from_path(&f.path).unwrap();
+    let bytes = serde_json::to_vec(body).unwrap();
+    understand(api, &headers.to_vec(), &bytes, false, &FilterConfig::default())
+        .unwrap_or_else(|e| panic!("{}: {e}", f.name))
+}
+
+fn hashes(f: &Fixture, body: &Value) -> Vec<u64> {
+    run(f, body, &f.headers).hashes.hashes
+}
+
+fn strip_cache_control(value: &mut Value) {
+    match value {
+        Value::Object(map) => {
+            map.remove("cache_control");
+            map.values_mut().for_each(strip_cache_control);
+        }
+        Value::Array(items) => items.iter_mut().for_each(strip_cache_control),
+        _ => {}
+    }
+}
+
+/// The next call of the session, as the harness sends it: the earlier
+/// conversation unchanged except for `cache_control`, which Claude Code and
+/// OpenCode move to the newest messages, then the new turn appended.
+fn next_call(f: &Fixture) -> Value {
+    let mut body = f.body.clone();
+    if let Some(prompt) = body[&f.items_key].as_str() {
+        body[&f.items_key] = Value::String(format!("{prompt}{}", f.next_turn.as_str().unwrap()));
+        return body;
+    }
+    let items = body[&f.items_key].as_array_mut().unwrap();
+    items.iter_mut().for_each(strip_cache_control);
+    items.extend(f.next_turn.as_array().unwrap().iter().cloned());
+    body
+}
+
+#[test]
+fn the_next_turn_keeps_every_full_block_of_the_previous_turn() {
+    for f in fixtures() {
+        let first = run(&f, &f.body, &f.headers).hashes;
+        let second = run(&f, &next_call(&f), &f.headers).hashes;
+        let full = first.hashes.len() - usize::from(first.last_partial);
+        assert!(full >= 4, "{}: only {full} full blocks", f.name);
+        assert_eq!(
+            second.hashes[..full],
+            first.hashes[..full],
+            "{}: the next turn broke the prefix",
+            f.name
+        );
+        assert!(second.stream_bytes > first.stream_bytes, "{}", f.name);
+    }
+}
+
+#[test]
+fn fields_outside_the_prompt_and_header_order_change_no_hash() {
+    for f in fixtures() {
+        let base = hashes(&f, &f.body);
+        let mut body = f.body.clone();
+        let stream = body["stream"].as_bool().unwrap_or(false);
+        body["stream"] = json!(!stream);
+        body["stream_options"] = json!({"include_usage": true});
+        body["temperature"] = json!(0.01);
+        body["max_tokens"] = json!(77);
+        body["metadata"] = json!({"user_id": "someone-else", "trace": 7});
+        let mut headers = f.headers.clone();
+        headers.reverse();
+        headers.push(("x-request-id".to_owned(), "r-42".to_owned()));
+        assert_eq!(run(&f, &body, &headers).hashes.hashes, base, "{}", f.name);
+        // A body re-serialized with other whitespace is the same prompt.
+        let pretty = serde_json::to_vec_pretty(&f.body).unwrap();
+        let api = Api::from_path(&f.path).unwrap();
+        let got = understand(api, &f.headers, &pretty, false, &FilterConfig::default()).unwrap();
+        assert_eq!(got.hashes.hashes, base, "{}: whitespace changed hashes", f.name);
+    }
+}
+
+/// Flips one character in the middle of the string at `pointer`.
+fn with_one_byte_changed(body: &Value, pointer: &str) -> Value {
+    let mut body = body.clone();
+    let text = body.pointer_mut(pointer).unwrap();
+    let mut chars: Vec<char> = text.as_str().unwrap().chars().collect();
+    let middle = chars.len() / 2;
+    chars[middle] = if chars[middle] == 'Q' { 'R' } else { 'Q' };
+    *text = Value::String(chars.into_iter().collect());
+    body
+}
+
+#[test]
+fn one_byte_of_the_system_prompt_or_the_tools_changes_every_hash_from_there_on() {
+    for f in fixtures() {
+        let base = hashes(&f, &f.body);
+        for pointer in std::iter::once(&f.system_pointer).chain(f.tools_pointer.as_ref()) {
+            let changed = hashes(&f, &with_one_byte_changed(&f.body, pointer));
+            assert_eq!(changed.len(), base.len(), "{} {pointer}", f.name);
+            let first_diff = (0..base.len())
+                .find(|&i| base[i] != changed[i])
+                .unwrap_or_else(|| panic!("{} {pointer}: no hash changed", f.name));
+            assert!(
+                (first_diff..base.len()).all(|i| base[i] != changed[i]),
+                "{} {pointer}: a hash after block {first_diff} survived the change",
+                f.name
+            );
+        }
+    }
+}
+
+#[test]
+fn two_tenants_with_identical_prompts_share_no_hash() {
+    for f in fixtures() {
+        let tenant = |t: &str| {
+            let mut headers = f.headers.clone();
+            headers.push(("x-kvmesh-tenant".to_owned(), t.to_owned()));
+            run(&f, &f.body, &headers).hashes.hashes
+        };
+        let (a, b) = (tenant("team-a"), tenant("team-b"));
+        assert!(a.iter().all(|h| !b.contains(h)), "{}: tenants share a hash", f.name);
+        // Without a tenant header, different credentials are different tenants.
+        let mut other_key = f.headers.clone();
+        other_key.retain(|(k, _)| k != "authorization");
+        other_key.push(("authorization".to_owned(), "Bearer another-key".to_owned()));
+        let other = run(&f, &f.body, &other_key).hashes.hashes;
+        assert!(hashes(&f, &f.body).iter().all(|h| !other.contains(h)), "{}", f.name);
+    }
+}
+
+#[test]
+fn the_session_agent_and_parent_match_each_harness() {
+    for f in fixtures() {
+        let id = run(&f, &f.body, &f.headers).identity;
+        let got = json!({"session": id.session_id, "agent": id.agent_id, "parent": id.parent_id});
+        assert_eq!(got, f.expect, "{}", f.name);
+    }
+}
+
+#[test]
+fn hashes_match_the_golden_file() {
+    let golden_path = fixtures_dir().join("golden.json");
+    let mut actual = BTreeMap::new();
+    for f in fixtures() {
+        let h = run(&f, &f.body, &f.headers).hashes;
+        actual.insert(
+            f.name.clone(),
+            json!({
+                "blocks": h.hashes.len(),
+                "last_partial": h.last_partial,
+                "stream_bytes": h.stream_bytes,
+                "first": format!("{:016x}", h.hashes[0]),
+                "last": format!("{:016x}", h.hashes[h.hashes.len() - 1]),
+            }),
+        );
+    }
+    let actual = serde_json::to_value(actual).unwrap();
+    if std::env::var_os("KVMESH_BLESS").is_some() {
+        std::fs::write(&golden_path, serde_json::to_string_pretty(&actual).unwrap() + "\n").unwrap();
+        return;
+    }
+    let golden: Value = serde_json::from_str(&std::fs::read_to_string(&golden_path).unwrap()).unwrap();
+    assert_eq!(
+        actual, golden,
+        "the canonical form changed; if intended, rerun with KVMESH_BLESS=1 and upgrade all filters together"
+    );
+}

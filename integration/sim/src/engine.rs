@@ -3,7 +3,6 @@
 //! counters vLLM exports. Tokens are approximated as 4 bytes each.
 
 use kvmesh_core::Lru;
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 /// Tokens per KV block, as vLLM's default block size.
@@ -40,28 +39,6 @@ pub(crate) struct Engine {
     prefix_queries_tokens: u64,
     prefix_hits_tokens: u64,
     prompt_tokens: u64,
-}
-
-/// The sim's own chat template: role markers around each message's text.
-pub(crate) fn template_chat(messages: &[Value]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for message in messages {
-        let role = message.get("role").and_then(Value::as_str).unwrap_or("user");
-        out.extend_from_slice(b"<|im_start|>");
-        out.extend_from_slice(role.as_bytes());
-        out.push(b'\n');
-        match message.get("content") {
-            Some(Value::String(text)) => out.extend_from_slice(text.as_bytes()),
-            Some(other) => out.extend_from_slice(other.to_string().as_bytes()),
-            None => {}
-        }
-        if let Some(calls) = message.get("tool_calls") {
-            out.extend_from_slice(calls.to_string().as_bytes());
-        }
-        out.extend_from_slice(b"<|im_end|>\n");
-    }
-    out.extend_from_slice(b"<|im_start|>assistant\n");
-    out
 }
 
 impl Engine {

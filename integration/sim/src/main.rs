@@ -7,6 +7,7 @@
 //! tokens and a fixed time per output token, both scaled by `--time-scale`.
 #![forbid(unsafe_code)]
 
+mod api;
 mod engine;
 
 use std::net::SocketAddr;
@@ -23,6 +24,7 @@ use clap::Parser;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
+use crate::api::{Api, Call, Reply};
 use crate::engine::{Engine, EngineConfig, Served};
 
 /// kvmesh-sim: a simulated OpenAI-compatible GPU worker with a prefix cache.
@@ -86,7 +88,10 @@ async fn main() -> anyhow::Result<()> {
         args: Arc::new(args),
     };
     let routes = Router::new()
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/chat/completions", post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Chat, headers, body)))
+        .route("/v1/completions", post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Completions, headers, body)))
+        .route("/v1/responses", post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Responses, headers, body)))
+        .route("/v1/messages", post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Messages, headers, body)))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { "ok" }))
@@ -129,93 +134,55 @@ fn error(status: StatusCode, message: &str) -> Response {
         .into_response()
 }
 
-async fn chat_completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
-    let response = match serde_json::from_slice::<Value>(&body) {
-        Err(err) => error(StatusCode::BAD_REQUEST, &format!("invalid JSON body: {err}")),
-        Ok(request) => match request.get("messages").and_then(Value::as_array) {
-            None => error(StatusCode::BAD_REQUEST, "`messages` must be an array"),
-            Some(messages) => serve_chat(&app, &request, messages).await,
-        },
+async fn serve(app: App, api: Api, headers: HeaderMap, body: Bytes) -> Response {
+    let call = serde_json::from_slice::<Value>(&body)
+        .map_err(|err| format!("invalid JSON body: {err}"))
+        .and_then(|request| Call::parse(api, &request, app.args.default_output_tokens));
+    let response = match call {
+        Err(message) => error(StatusCode::BAD_REQUEST, &message),
+        Ok(call) => reply(&app, call).await,
     };
     tag(&app, &headers, &body, response)
 }
 
-async fn serve_chat(app: &App, request: &Value, messages: &[Value]) -> Response {
-    let prompt = engine::template_chat(messages);
-    let output_tokens = ["max_completion_tokens", "max_tokens"]
-        .iter()
-        .find_map(|k| request.get(*k).and_then(Value::as_u64))
-        .map_or(app.args.default_output_tokens, |n| {
-            u32::try_from(n.min(4096)).unwrap_or(4096)
-        });
-    let served: Served = app.engine().admit(&prompt);
+async fn reply(app: &App, call: Call) -> Response {
+    let served: Served = app.engine().admit(&call.prompt);
     let prefill = app.scaled(Duration::from_secs_f64(
         served.uncached_tokens() as f64 * app.args.prefill_us_per_token / 1e6,
     ));
     let per_token = app.scaled(Duration::from_secs_f64(app.args.decode_ms_per_token / 1e3));
-    let model = request.get("model").and_then(Value::as_str).unwrap_or("sim").to_owned();
     let text = format!(
         "[{}] read {} prompt tokens, {} from cache.",
         app.name, served.prompt_tokens, served.cached_tokens
     );
-    let usage = json!({
-        "prompt_tokens": served.prompt_tokens,
-        "completion_tokens": output_tokens,
-        "total_tokens": served.prompt_tokens + u64::from(output_tokens),
-        "prompt_tokens_details": {"cached_tokens": served.cached_tokens},
-    });
-    let id = format!("chatcmpl-{}", served.request_id);
-    let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
-    if !stream {
-        tokio::time::sleep(prefill + per_token * output_tokens).await;
+    let reply = Reply { call, served, text };
+    if !reply.call.stream {
+        tokio::time::sleep(prefill + per_token * reply.call.output_tokens).await;
         app.engine().finish();
-        return axum::Json(json!({
-            "id": id, "object": "chat.completion", "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-            "usage": usage,
-        }))
-        .into_response();
+        return axum::Json(reply.json()).into_response();
     }
-    let include_usage = request
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        == Some(true);
     let engine = app.engine.clone();
-    let words: Vec<String> = text.split_inclusive(' ').map(str::to_owned).collect();
-    let chunk = move |delta: Value, finish: Value| {
-        json!({"id": id, "object": "chat.completion.chunk", "model": model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-    };
     let events = async_stream(move |tx| async move {
         tokio::time::sleep(prefill).await;
-        let _ = tx
-            .send(sse(&chunk(json!({"role": "assistant", "content": ""}), Value::Null)))
-            .await;
-        for i in 0..output_tokens as usize {
+        for event in reply.sse_start() {
+            let _ = tx.send(Bytes::from(event)).await;
+        }
+        let words: Vec<&str> = reply.text.split_inclusive(' ').collect();
+        for i in 0..reply.call.output_tokens as usize {
             tokio::time::sleep(per_token).await;
-            let word = words.get(i).cloned().unwrap_or_default();
-            let _ = tx.send(sse(&chunk(json!({"content": word}), Value::Null))).await;
+            let word = words.get(i).copied().unwrap_or("");
+            let _ = tx.send(Bytes::from(reply.sse_token(word))).await;
         }
-        let mut last = chunk(json!({}), json!("stop"));
-        if include_usage {
-            last["usage"] = usage;
+        for event in reply.sse_end() {
+            let _ = tx.send(Bytes::from(event)).await;
         }
-        let _ = tx.send(sse(&last)).await;
-        let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-        engine
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .finish();
+        engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finish();
     });
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(events))
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "stream"))
-}
-
-fn sse(value: &Value) -> Bytes {
-    Bytes::from(format!("data: {value}\n\n"))
 }
 
 /// A byte stream fed by a task, so the response starts before the task ends.

@@ -4,10 +4,15 @@
 //! destination over gRPC and sets `x-kvmesh-destination`; on the way back it
 //! reads the engine's `usage` and reports the outcome. Every error path fails
 //! open: the request continues unchanged and Envoy balances it.
+//!
+//! Picks and outcomes travel on long-lived gRPC streams owned by the root
+//! context (see `sidecar`), with unary calls as the fallback.
 #![forbid(unsafe_code)]
 
 mod metrics;
+mod sidecar;
 
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
@@ -19,26 +24,73 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
 use crate::metrics::{FailOpen, Metrics};
+use crate::sidecar::{PickCell, Streams, TICK, destination_value, resolve, send_on_stream};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
+        Box::new(Root { context_id, shared: None })
+    });
 }}
 
-/// One per Envoy worker thread: holds the validated configuration.
-#[derive(Default)]
+/// One per Envoy worker thread: holds the validated configuration and owns
+/// the streams to the sidecar.
 struct Root {
+    context_id: u32,
     shared: Option<Rc<Shared>>,
 }
 
-/// What every request context of a thread reads: config and metric ids.
+/// What every request context of a thread reads: config, metric ids, and
+/// the state of the sidecar streams.
 #[derive(Debug)]
 struct Shared {
     config: FilterConfig,
     metrics: Metrics,
+    streams: RefCell<Streams>,
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
+        let Some(shared) = self.shared.clone() else { return };
+        if !shared.streams.borrow().is_pick_stream(token_id) {
+            return;
+        }
+        let reply = self
+            .get_grpc_stream_message(0, message_size)
+            .and_then(|bytes| v1::PickReply::decode(bytes.as_slice()).ok());
+        let Some(reply) = reply else {
+            shared.metrics.fail_open(FailOpen::BadReply);
+            return;
+        };
+        // A reply for a request that timed out or went away is just late.
+        let Some(pending) = shared.streams.borrow_mut().answered(token_id, reply.request_id) else {
+            return;
+        };
+        match destination_value(&reply) {
+            Ok(value) => {
+                shared.metrics.inc(shared.metrics.picks);
+                resolve(self.context_id, &pending, Some(&value), Some(reply.pick_id));
+            }
+            Err(why) => {
+                shared.metrics.fail_open(why);
+                resolve(self.context_id, &pending, None, None);
+            }
+        }
+    }
+
+    fn on_grpc_stream_close(&mut self, token_id: u32, status_code: u32) {
+        let Some(shared) = self.shared.clone() else { return };
+        let now = self.get_current_time();
+        let waiting = shared.streams.borrow_mut().closed(token_id, now);
+        if !waiting.is_empty() || status_code != 0 {
+            debug!("kvmesh: sidecar stream {token_id} closed (gRPC status {status_code})");
+        }
+        for pending in waiting {
+            shared.metrics.fail_open(FailOpen::SidecarError);
+            resolve(self.context_id, &pending, None, None);
+        }
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
@@ -49,10 +101,17 @@ impl RootContext for Root {
                     "kvmesh filter configured: sidecar cluster {:?}, timeout {} ms, {}-byte blocks, {:?} hash",
                     config.sidecar_cluster, config.sidecar_timeout_ms, config.block_bytes, config.hash
                 );
-                self.shared = Some(Rc::new(Shared {
+                let shared = Rc::new(Shared {
                     config,
                     metrics: Metrics::define(),
-                }));
+                    streams: RefCell::new(Streams::new(self.context_id)),
+                });
+                shared
+                    .streams
+                    .borrow_mut()
+                    .ensure_open(&shared.config.sidecar_cluster, self.get_current_time());
+                self.shared = Some(shared);
+                self.set_tick_period(TICK);
                 true
             }
             Err(err) => {
@@ -64,16 +123,31 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn on_tick(&mut self) {
+        let Some(shared) = self.shared.clone() else { return };
+        let now = self.get_current_time();
+        let expired = {
+            let mut streams = shared.streams.borrow_mut();
+            streams.ensure_open(&shared.config.sidecar_cluster, now);
+            streams.expired(now)
+        };
+        for pending in expired {
+            shared.metrics.fail_open(FailOpen::Timeout);
+            resolve(self.context_id, &pending, None, None);
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let shared = self.shared.clone()?;
         Some(Box::new(RequestFilter {
+            context_id,
             shared,
             state: State::PassThrough,
             api: None,
             path: String::new(),
             started: None,
             asked: None,
-            pick_id: None,
+            pick: Rc::new(PickCell::default()),
             first_byte: None,
             status: 0,
             usage: None,
@@ -106,6 +180,7 @@ struct Asked {
 }
 
 struct RequestFilter {
+    context_id: u32,
     shared: Rc<Shared>,
     state: State,
     api: Option<Api>,
@@ -113,8 +188,8 @@ struct RequestFilter {
     started: Option<SystemTime>,
     /// The Pick asked for this request, kept to report its outcome.
     asked: Option<Asked>,
-    /// The sidecar's answer, once it routed the request.
-    pick_id: Option<u64>,
+    /// The sidecar's answer, written by whichever context receives it.
+    pick: Rc<PickCell>,
     first_byte: Option<SystemTime>,
     status: u32,
     /// Reads `usage` from a routed request's response.
@@ -185,6 +260,7 @@ impl RequestFilter {
             priority: hints.priority,
             latency_sensitivity: hints.latency_sensitivity,
             api: api.name().to_owned(),
+            request_id: 0,
         }
     }
 
@@ -208,15 +284,22 @@ impl RequestFilter {
         if understood.hashes.truncated {
             self.metrics().inc(self.metrics().truncated_blocks);
         }
-        let pick = self.pick_request(understood);
-        let message = pick.encode_to_vec();
+        let mut pick = self.pick_request(understood);
+        let timeout = Duration::from_millis(self.config().sidecar_timeout_ms);
+        let sent_on_stream = self.send_on_pick_stream(&mut pick, timeout);
         self.asked = Some(Asked {
-            session_id: pick.session_id,
-            tenant: pick.tenant,
-            model: pick.model,
+            session_id: std::mem::take(&mut pick.session_id),
+            tenant: std::mem::take(&mut pick.tenant),
+            model: std::mem::take(&mut pick.model),
             api,
         });
-        let timeout = Duration::from_millis(self.config().sidecar_timeout_ms);
+        if sent_on_stream {
+            self.metrics().inc(self.metrics().picks_on_stream);
+            self.state = State::AwaitingPick;
+            return Action::Pause;
+        }
+        self.metrics().inc(self.metrics().picks_unary);
+        let message = pick.encode_to_vec();
         let cluster = self.config().sidecar_cluster.clone();
         match self.dispatch_grpc_call(
             &cluster,
@@ -237,6 +320,26 @@ impl RequestFilter {
         }
     }
 
+    /// Sends the Pick on the root context's stream; `false` if it is down.
+    fn send_on_pick_stream(&self, pick: &mut v1::PickRequest, timeout: Duration) -> bool {
+        let Some((token, request_id)) = self.shared.streams.borrow_mut().next_pick() else {
+            return false;
+        };
+        pick.request_id = request_id;
+        let root_id = self.shared.streams.borrow().root_id;
+        if !send_on_stream(root_id, self.context_id, token, &pick.encode_to_vec()) {
+            self.shared.streams.borrow_mut().lost(token);
+            return false;
+        }
+        let deadline = self.get_current_time() + timeout;
+        self.shared
+            .streams
+            .borrow_mut()
+            .wait_for(request_id, self.context_id, deadline, self.pick.clone());
+        true
+    }
+
+    /// A unary Pick's answer (the fallback path).
     fn apply_pick(&mut self, status_code: u32, response_size: usize) {
         if status_code != 0 {
             // Envoy reports a callout timeout as UNAVAILABLE (14), like a
@@ -266,19 +369,14 @@ impl RequestFilter {
             self.metrics().fail_open(FailOpen::BadReply);
             return;
         };
-        let destinations: Vec<&str> = reply
-            .destinations
-            .iter()
-            .map(String::as_str)
-            .filter(|d| is_host_port(d))
-            .collect();
-        if destinations.is_empty() {
-            self.metrics().fail_open(FailOpen::NoDestination);
-            return;
+        match destination_value(&reply) {
+            Ok(value) => {
+                self.set_http_request_header(DESTINATION_HEADER, Some(&value));
+                self.metrics().inc(self.metrics().picks);
+                self.pick.pick_id.set(Some(reply.pick_id));
+            }
+            Err(why) => self.metrics().fail_open(why),
         }
-        self.set_http_request_header(DESTINATION_HEADER, Some(&destinations.join(",")));
-        self.metrics().inc(self.metrics().picks);
-        self.pick_id = Some(reply.pick_id);
     }
 
     fn millis_since(&self, start: Option<SystemTime>, end: SystemTime) -> u32 {
@@ -292,7 +390,7 @@ impl RequestFilter {
     /// Aborted and failed requests report too (status 0 or the error).
     /// Fire and forget: nothing waits on the answer.
     fn report_outcome(&mut self) {
-        let (Some(pick_id), Some(asked)) = (self.pick_id, self.asked.take()) else {
+        let (Some(pick_id), Some(asked)) = (self.pick.pick_id.get(), self.asked.take()) else {
             return;
         };
         let usage = self.usage.take().map(UsageReader::finish).unwrap_or_default();
@@ -318,10 +416,21 @@ impl RequestFilter {
             duration_ms: self.millis_since(self.started, now),
             api: asked.api.name().to_owned(),
         };
+        let message = outcome.encode_to_vec();
+        let (token, root_id) = {
+            let streams = self.shared.streams.borrow();
+            (streams.report_token(), streams.root_id)
+        };
+        if let Some(token) = token {
+            if send_on_stream(root_id, self.context_id, token, &message) {
+                self.metrics().inc(self.metrics().outcomes_reported);
+                return;
+            }
+            self.shared.streams.borrow_mut().lost(token);
+        }
         // Reports are off the request path, so they may take longer than a Pick.
         let timeout = Duration::from_millis(self.config().sidecar_timeout_ms.max(1000));
         let cluster = self.config().sidecar_cluster.clone();
-        let message = outcome.encode_to_vec();
         match self.dispatch_grpc_call(
             &cluster,
             method::SERVICE,
@@ -343,6 +452,7 @@ impl Context for RequestFilter {
             return;
         }
         self.apply_pick(status_code, response_size);
+        self.pick.resolved.set(true);
         self.state = State::PassThrough;
         self.resume_http_request();
     }
@@ -366,8 +476,12 @@ impl HttpContext for RequestFilter {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if self.state != State::Buffering {
-            return Action::Continue;
+        match self.state {
+            // More body while the Pick is out (a body over the cap): keep
+            // holding it, or the request would leave without its route.
+            State::AwaitingPick if !self.pick.resolved.get() => return Action::Pause,
+            State::AwaitingPick | State::PassThrough => return Action::Continue,
+            State::Buffering => {}
         }
         let cap = self.config().max_body_bytes;
         if body_size > cap {
@@ -398,7 +512,7 @@ impl HttpContext for RequestFilter {
             .get_http_response_header(":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
-        if self.pick_id.is_some() {
+        if self.pick.pick_id.get().is_some() {
             let content_type = self.get_http_response_header("content-type");
             self.usage = Some(UsageReader::new(
                 content_type.as_deref(),
@@ -420,12 +534,16 @@ impl HttpContext for RequestFilter {
     }
 
     fn on_log(&mut self) {
+        self.shared.streams.borrow_mut().forget(self.context_id);
         self.report_outcome();
     }
 }
 
-/// `ip:port` or `[v6]:port`: the only forms `override_host` matches. A
-/// sidecar reply with anything else is ignored rather than forwarded.
-fn is_host_port(value: &str) -> bool {
-    value.parse::<std::net::SocketAddr>().is_ok()
+impl Drop for RequestFilter {
+    fn drop(&mut self) {
+        // Never leave a Pick for the root context to resume on a dead stream.
+        if let Ok(mut streams) = self.shared.streams.try_borrow_mut() {
+            streams.forget(self.context_id);
+        }
+    }
 }

@@ -35,6 +35,9 @@ const FAIL_OPEN_REASONS: [&str; 6] = [
 #[derive(Debug)]
 pub(crate) struct Metrics {
     pub(crate) picks: Option<u32>,
+    /// Picks sent on the root context's stream, and as unary calls.
+    pub(crate) picks_on_stream: Option<u32>,
+    pub(crate) picks_unary: Option<u32>,
     pub(crate) passed_through: Option<u32>,
     pub(crate) forged_destination: Option<u32>,
     pub(crate) truncated_body: Option<u32>,
@@ -51,6 +54,8 @@ impl Metrics {
         let counter = |name: &str| hostcalls::define_metric(MetricType::Counter, name).ok();
         Self {
             picks: counter("kvmesh.picks"),
+            picks_on_stream: counter("kvmesh.sidecar.stream_calls"),
+            picks_unary: counter("kvmesh.sidecar.unary_calls"),
             passed_through: counter("kvmesh.passed_through"),
             forged_destination: counter("kvmesh.forged_destination_removed"),
             truncated_body: counter("kvmesh.truncated.body"),

@@ -23,11 +23,15 @@ fn tool_result(turn: usize) -> String {
 fn body(api: &str, repo: &str, turn: usize, stream: bool) -> Value {
     match api {
         "/v1/chat/completions" => {
-            let mut messages = vec![json!({"role": "system", "content": system_prompt(repo)}),
-                                    json!({"role": "user", "content": "Fix the failing test."})];
+            let mut messages = vec![
+                json!({"role": "system", "content": system_prompt(repo)}),
+                json!({"role": "user", "content": "Fix the failing test."}),
+            ];
             for t in 0..turn {
-                messages.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{t}"),
-                    "type": "function", "function": {"name": "read", "arguments": format!("{{\"n\":{t}}}")}}]}));
+                messages.push(
+                    json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{t}"),
+                    "type": "function", "function": {"name": "read", "arguments": format!("{{\"n\":{t}}}")}}]}),
+                );
                 messages.push(json!({"role": "tool", "tool_call_id": format!("c{t}"), "content": tool_result(t)}));
             }
             json!({"model": "m", "messages": messages, "stream": stream, "stream_options": {"include_usage": true}})
@@ -44,20 +48,29 @@ fn body(api: &str, repo: &str, turn: usize, stream: bool) -> Value {
             let mut input = vec![json!({"type": "message", "role": "user",
                                         "content": [{"type": "input_text", "text": "Fix the failing test."}]})];
             for t in 0..turn {
-                input.push(json!({"type": "function_call", "name": "shell", "call_id": format!("k{t}"),
-                                  "arguments": format!("{{\"command\":[\"cat\",\"src/module_{t}.rs\"]}}")}));
-                input.push(json!({"type": "function_call_output", "call_id": format!("k{t}"), "output": tool_result(t)}));
+                input.push(
+                    json!({"type": "function_call", "name": "shell", "call_id": format!("k{t}"),
+                                  "arguments": format!("{{\"command\":[\"cat\",\"src/module_{t}.rs\"]}}")}),
+                );
+                input.push(
+                    json!({"type": "function_call_output", "call_id": format!("k{t}"), "output": tool_result(t)}),
+                );
             }
             json!({"model": "m", "instructions": system_prompt(repo), "input": input, "stream": stream,
                    "store": false, "prompt_cache_key": format!("{repo}-codex")})
         }
         _ => {
-            let mut messages = vec![json!({"role": "user", "content": [{"type": "text", "text": "Fix the failing test."}]})];
+            let mut messages =
+                vec![json!({"role": "user", "content": [{"type": "text", "text": "Fix the failing test."}]})];
             for t in 0..turn {
-                messages.push(json!({"role": "assistant", "content": [{"type": "tool_use", "id": format!("t{t}"),
-                    "name": "Read", "input": {"n": t}}]}));
-                messages.push(json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": format!("t{t}"),
-                    "content": tool_result(t)}]}));
+                messages.push(
+                    json!({"role": "assistant", "content": [{"type": "tool_use", "id": format!("t{t}"),
+                    "name": "Read", "input": {"n": t}}]}),
+                );
+                messages.push(
+                    json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": format!("t{t}"),
+                    "content": tool_result(t)}]}),
+                );
             }
             // Claude Code marks the newest message for caching on every call.
             if let Some(last) = messages.last_mut() {
@@ -90,13 +103,10 @@ fn reported_usage(api: &str, reply: &Reply) -> (u64, u64) {
                 .pointer("/response/usage")
                 .or_else(|| e.get("usage"))
                 .and_then(|u| Some((n(u, "/input_tokens")?, n(u, "/input_tokens_details/cached_tokens")?))),
-            "/v1/messages" => e
-                .pointer("/message/usage")
-                .or_else(|| e.get("usage"))
-                .and_then(|u| {
-                    let read = n(u, "/cache_read_input_tokens")?;
-                    Some((n(u, "/input_tokens")? + read, read))
-                }),
+            "/v1/messages" => e.pointer("/message/usage").or_else(|| e.get("usage")).and_then(|u| {
+                let read = n(u, "/cache_read_input_tokens")?;
+                Some((n(u, "/input_tokens")? + read, read))
+            }),
             _ => e
                 .get("usage")
                 .and_then(|u| Some((n(u, "/prompt_tokens")?, n(u, "/prompt_tokens_details/cached_tokens")?))),
@@ -111,14 +121,22 @@ fn reported_usage(api: &str, reply: &Reply) -> (u64, u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_in_every_api_stay_on_their_worker_and_report_cached_tokens() -> anyhow::Result<()> {
     let cluster = Cluster::start(ClusterOptions::default()).await?;
-    let apis = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"];
+    let apis = [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+    ];
     let (mut requests, mut prompt_sum, mut cached_sum) = (0u64, 0u64, 0u64);
     for api in apis {
         for stream in [false, true] {
             let repo = format!("repo{}{}", api.replace('/', "-"), if stream { "-stream" } else { "" });
             let session = format!("session-{repo}");
             let headers: Vec<(&str, &str)> = match api {
-                "/v1/messages" => vec![("x-claude-code-session-id", session.as_str()), ("anthropic-version", "2023-06-01")],
+                "/v1/messages" => vec![
+                    ("x-claude-code-session-id", session.as_str()),
+                    ("anthropic-version", "2023-06-01"),
+                ],
                 "/v1/responses" => vec![("session-id", session.as_str())],
                 "/v1/chat/completions" => vec![("x-session-affinity", session.as_str())],
                 _ => vec![],
@@ -131,7 +149,10 @@ async fn sessions_in_every_api_stay_on_their_worker_and_report_cached_tokens() -
                 let bytes = serde_json::to_vec(&body(api, &repo, turn, stream))?;
                 let reply = cluster.send(reqwest::Method::POST, api, &all, bytes).await?;
                 assert_eq!(reply.status, 200, "{api} stream={stream} turn {turn}: {}", reply.body);
-                assert!(reply.saw_destination.is_some(), "{api} stream={stream} turn {turn} was not routed");
+                assert!(
+                    reply.saw_destination.is_some(),
+                    "{api} stream={stream} turn {turn} was not routed"
+                );
                 let (prompt, hit) = reported_usage(api, &reply);
                 workers.push(reply.worker.clone().unwrap_or_default());
                 cached.push(hit);
@@ -139,15 +160,33 @@ async fn sessions_in_every_api_stay_on_their_worker_and_report_cached_tokens() -
                 prompt_sum += prompt;
                 cached_sum += hit;
             }
-            assert!(workers.iter().all(|w| *w == workers[0]), "{api} stream={stream}: {workers:?}");
-            assert!(cached[1..].iter().all(|c| *c > 0), "{api} stream={stream}: no reuse {cached:?}");
+            assert!(
+                workers.iter().all(|w| *w == workers[0]),
+                "{api} stream={stream}: {workers:?}"
+            );
+            assert!(
+                cached[1..].iter().all(|c| *c > 0),
+                "{api} stream={stream}: no reuse {cached:?}"
+            );
         }
     }
     // One Outcome per request, with exactly the tokens the workers reported.
     cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
-    assert_eq!(cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}").await?, requests as f64);
-    assert_eq!(cluster.sidecar_metric("kvmesh_reported_prompt_tokens_total").await?, prompt_sum as f64);
-    assert_eq!(cluster.sidecar_metric("kvmesh_reported_cached_tokens_total").await?, cached_sum as f64);
-    assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.outcomes.with_usage").await?, requests);
+    assert_eq!(
+        cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}").await?,
+        requests as f64
+    );
+    assert_eq!(
+        cluster.sidecar_metric("kvmesh_reported_prompt_tokens_total").await?,
+        prompt_sum as f64
+    );
+    assert_eq!(
+        cluster.sidecar_metric("kvmesh_reported_cached_tokens_total").await?,
+        cached_sum as f64
+    );
+    assert_eq!(
+        cluster.envoy_counter("wasmcustom.kvmesh.outcomes.with_usage").await?,
+        requests
+    );
     Ok(())
 }

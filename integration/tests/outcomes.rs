@@ -11,7 +11,12 @@ use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 async fn aborted_and_failed_requests_release_their_in_flight_slot() -> anyhow::Result<()> {
     let mut cluster = Cluster::start(ClusterOptions {
         // Real-time decode: a 2,000-token answer streams for seconds.
-        sim_args: vec!["--time-scale".into(), "1".into(), "--decode-ms-per-token".into(), "2".into()],
+        sim_args: vec![
+            "--time-scale".into(),
+            "1".into(),
+            "--decode-ms-per-token".into(),
+            "2".into(),
+        ],
         ..ClusterOptions::default()
     })
     .await?;
@@ -46,9 +51,14 @@ async fn aborted_and_failed_requests_release_their_in_flight_slot() -> anyhow::R
     for worker in &mut cluster.workers {
         worker.process.kill()?;
     }
-    let reply = cluster.chat(&AgentSession::new("acme/down").call(1), &[("x-session-id", "down-1")]).await?;
+    let reply = cluster
+        .chat(&AgentSession::new("acme/down").call(1), &[("x-session-id", "down-1")])
+        .await?;
     assert_eq!(reply.status, 503, "{}", reply.body);
     cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
-    assert_eq!(cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}").await?, 2.0);
+    assert_eq!(
+        cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}").await?,
+        2.0
+    );
     Ok(())
 }

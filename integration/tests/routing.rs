@@ -40,6 +40,12 @@ async fn a_growing_session_stays_on_one_worker_and_reuses_its_cache() -> anyhow:
         );
     }
     assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.picks").await?, 20);
+    // Picks travel on the per-worker stream once it is open; at most the
+    // first call of each Envoy worker thread can precede it.
+    let on_stream = cluster.envoy_counter("wasmcustom.kvmesh.sidecar.stream_calls").await?;
+    let unary = cluster.envoy_counter("wasmcustom.kvmesh.sidecar.unary_calls").await?;
+    assert_eq!(on_stream + unary, 20);
+    assert!(on_stream >= 18, "{on_stream} picks on the stream, {unary} unary");
     // Every routed call reported its outcome: nothing is left in flight.
     cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
     assert_eq!(

@@ -19,4 +19,8 @@ pub mod method {
     pub const PICK: &str = "Pick";
     /// `Report` method name.
     pub const REPORT: &str = "Report";
+    /// `PickStream` method name.
+    pub const PICK_STREAM: &str = "PickStream";
+    /// `ReportStream` method name.
+    pub const REPORT_STREAM: &str = "ReportStream";
 }

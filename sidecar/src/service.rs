@@ -1,12 +1,14 @@
 //! The gRPC edge: decodes Pick and Report, runs them through the routing core
 //! under a short lock, and records what was decided.
 
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use kvmesh_core::{Decision, Outcome, PickInput, Reason, Router};
 use kvmesh_proto::v1::{self, router_server};
-use tonic::{Request, Response, Status};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
 use crate::metrics::Metrics;
@@ -54,13 +56,12 @@ fn reason_to_wire(reason: Reason) -> v1::PickReason {
     }
 }
 
-#[tonic::async_trait]
-impl router_server::Router for RouterService {
-    async fn pick(&self, request: Request<v1::PickRequest>) -> Result<Response<v1::PickReply>, Status> {
+impl Shared {
+    /// Decides one Pick and records it.
+    pub(crate) fn pick(&self, req: &v1::PickRequest) -> v1::PickReply {
         let started = Instant::now();
-        let req = request.into_inner();
         let (decision, destinations) = {
-            let mut router = self.shared.router();
+            let mut router = self.router();
             let decision: Decision = router.pick(PickInput {
                 block_hashes: &req.block_hashes,
                 last_block_partial: req.last_block_partial,
@@ -81,28 +82,75 @@ impl router_server::Router for RouterService {
             destination = destinations.first().map_or("", String::as_str),
             "pick"
         );
-        self.shared.metrics.observe_pick(
+        self.metrics.observe_pick(
             decision.reason,
             req.block_hashes.len(),
             decision.predicted_cached_blocks,
             started.elapsed(),
         );
-        Ok(Response::new(v1::PickReply {
+        v1::PickReply {
             destinations,
             predicted_cached_blocks: decision.predicted_cached_blocks,
             reason: reason_to_wire(decision.reason).into(),
             pick_id: decision.pick_id,
-        }))
+            request_id: req.request_id,
+        }
+    }
+
+    /// Applies one Outcome.
+    pub(crate) fn report(&self, outcome: &v1::Outcome) {
+        let known = self.router().report(Outcome {
+            pick_id: outcome.pick_id,
+        });
+        self.metrics
+            .observe_report(known, outcome.prompt_tokens, outcome.cached_tokens);
+    }
+}
+
+type PickReplies = Pin<Box<dyn Stream<Item = Result<v1::PickReply, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl router_server::Router for RouterService {
+    async fn pick(&self, request: Request<v1::PickRequest>) -> Result<Response<v1::PickReply>, Status> {
+        Ok(Response::new(self.shared.pick(&request.into_inner())))
     }
 
     async fn report(&self, request: Request<v1::Outcome>) -> Result<Response<v1::ReportReply>, Status> {
-        let outcome = request.into_inner();
-        let known = self.shared.router().report(Outcome {
-            pick_id: outcome.pick_id,
-        });
-        self.shared
-            .metrics
-            .observe_report(known, outcome.prompt_tokens, outcome.cached_tokens);
+        self.shared.report(&request.into_inner());
+        Ok(Response::new(v1::ReportReply {}))
+    }
+
+    type PickStreamStream = PickReplies;
+
+    /// Each Pick on the stream is answered as soon as it is read; the reply
+    /// carries the request's id, so the filter matches them up.
+    async fn pick_stream(
+        &self,
+        request: Request<Streaming<v1::PickRequest>>,
+    ) -> Result<Response<Self::PickStreamStream>, Status> {
+        let shared = self.shared.clone();
+        let replies = request
+            .into_inner()
+            .map(move |pick| pick.map(|pick| shared.pick(&pick)));
+        Ok(Response::new(Box::pin(replies)))
+    }
+
+    async fn report_stream(
+        &self,
+        request: Request<Streaming<v1::Outcome>>,
+    ) -> Result<Response<v1::ReportReply>, Status> {
+        let mut outcomes = request.into_inner();
+        while let Some(outcome) = outcomes.next().await {
+            match outcome {
+                Ok(outcome) => self.shared.report(&outcome),
+                // The filter's side went away (Envoy restart, reset): its
+                // next stream carries on.
+                Err(status) => {
+                    debug!("report stream ended: {status}");
+                    break;
+                }
+            }
+        }
         Ok(Response::new(v1::ReportReply {}))
     }
 }

@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod overhead;
+mod pick_rtt;
 
 use clap::{Parser, Subcommand};
 
@@ -22,11 +23,14 @@ struct Args {
 enum Command {
     /// Added latency of the kvmesh filter in the real Envoy, by body size.
     FilterOverhead(overhead::Options),
+    /// The sidecar's Pick round trip over gRPC, without Envoy.
+    PickRtt(pick_rtt::Options),
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     match Args::parse().command {
         Command::FilterOverhead(options) => overhead::run(options).await,
+        Command::PickRtt(options) => pick_rtt::run(options).await,
     }
 }

@@ -34,7 +34,11 @@ fn push_content(out: &mut Vec<u8>, content: &Value) {
         Value::String(text) => out.extend_from_slice(text.as_bytes()),
         Value::Array(blocks) => {
             for block in blocks {
-                if let Some(text) = block.get("text").or_else(|| block.get("thinking")).and_then(Value::as_str) {
+                if let Some(text) = block
+                    .get("text")
+                    .or_else(|| block.get("thinking"))
+                    .and_then(Value::as_str)
+                {
                     out.extend_from_slice(text.as_bytes());
                 } else if let Some(inner) = block.get("content") {
                     push_content(out, inner);
@@ -134,7 +138,9 @@ impl Call {
         let output_tokens = ["max_completion_tokens", "max_output_tokens", "max_tokens"]
             .iter()
             .find_map(|k| body.get(*k).and_then(Value::as_u64))
-            .map_or(default_output_tokens, |n| u32::try_from(n.clamp(1, 4096)).unwrap_or(4096));
+            .map_or(default_output_tokens, |n| {
+                u32::try_from(n.clamp(1, 4096)).unwrap_or(4096)
+            });
         Ok(Self {
             api,
             model,
@@ -217,16 +223,27 @@ impl Reply {
     /// Events sent once the prefill is done, before the first token.
     pub(crate) fn sse_start(&self) -> Vec<String> {
         match self.call.api {
-            Api::Chat => vec![data(&self.chunk(json!({"role": "assistant", "content": ""}), Value::Null))],
+            Api::Chat => vec![data(
+                &self.chunk(json!({"role": "assistant", "content": ""}), Value::Null),
+            )],
             Api::Completions => Vec::new(),
-            Api::Responses => vec![event("response.created", &json!({"type": "response.created",
-                "response": self.response_object("in_progress")}))],
+            Api::Responses => vec![event(
+                "response.created",
+                &json!({"type": "response.created",
+                "response": self.response_object("in_progress")}),
+            )],
             Api::Messages => vec![
-                event("message_start", &json!({"type": "message_start", "message": {"id": self.id(),
+                event(
+                    "message_start",
+                    &json!({"type": "message_start", "message": {"id": self.id(),
                     "type": "message", "role": "assistant", "content": [], "model": self.call.model,
-                    "usage": self.anthropic_usage(1)}})),
-                event("content_block_start", &json!({"type": "content_block_start", "index": 0,
-                    "content_block": {"type": "text", "text": ""}})),
+                    "usage": self.anthropic_usage(1)}}),
+                ),
+                event(
+                    "content_block_start",
+                    &json!({"type": "content_block_start", "index": 0,
+                    "content_block": {"type": "text", "text": ""}}),
+                ),
             ],
         }
     }
@@ -235,12 +252,20 @@ impl Reply {
     pub(crate) fn sse_token(&self, token: &str) -> String {
         match self.call.api {
             Api::Chat => data(&self.chunk(json!({"content": token}), Value::Null)),
-            Api::Completions => data(&json!({"id": self.id(), "object": "text_completion", "model": self.call.model,
-                "choices": [{"index": 0, "text": token, "finish_reason": null}]})),
-            Api::Responses => event("response.output_text.delta", &json!({"type": "response.output_text.delta",
-                "output_index": 0, "content_index": 0, "delta": token})),
-            Api::Messages => event("content_block_delta", &json!({"type": "content_block_delta", "index": 0,
-                "delta": {"type": "text_delta", "text": token}})),
+            Api::Completions => data(
+                &json!({"id": self.id(), "object": "text_completion", "model": self.call.model,
+                "choices": [{"index": 0, "text": token, "finish_reason": null}]}),
+            ),
+            Api::Responses => event(
+                "response.output_text.delta",
+                &json!({"type": "response.output_text.delta",
+                "output_index": 0, "content_index": 0, "delta": token}),
+            ),
+            Api::Messages => event(
+                "content_block_delta",
+                &json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": token}}),
+            ),
         }
     }
 
@@ -250,8 +275,10 @@ impl Reply {
             Api::Chat | Api::Completions => {
                 let mut events = vec![match self.call.api {
                     Api::Chat => data(&self.chunk(json!({}), json!("stop"))),
-                    _ => data(&json!({"id": self.id(), "object": "text_completion", "model": self.call.model,
-                        "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]})),
+                    _ => data(
+                        &json!({"id": self.id(), "object": "text_completion", "model": self.call.model,
+                        "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}),
+                    ),
                 }];
                 if self.call.include_usage {
                     events.push(data(&json!({"id": self.id(), "model": self.call.model, "choices": [],
@@ -260,13 +287,19 @@ impl Reply {
                 events.push("data: [DONE]\n\n".to_owned());
                 events
             }
-            Api::Responses => vec![event("response.completed", &json!({"type": "response.completed",
-                "response": self.response_object("completed")}))],
+            Api::Responses => vec![event(
+                "response.completed",
+                &json!({"type": "response.completed",
+                "response": self.response_object("completed")}),
+            )],
             Api::Messages => vec![
                 event("content_block_stop", &json!({"type": "content_block_stop", "index": 0})),
-                event("message_delta", &json!({"type": "message_delta",
+                event(
+                    "message_delta",
+                    &json!({"type": "message_delta",
                     "delta": {"stop_reason": "end_turn", "stop_sequence": null},
-                    "usage": {"output_tokens": self.call.output_tokens}})),
+                    "usage": {"output_tokens": self.call.output_tokens}}),
+                ),
                 event("message_stop", &json!({"type": "message_stop"})),
             ],
         }

@@ -88,10 +88,22 @@ async fn main() -> anyhow::Result<()> {
         args: Arc::new(args),
     };
     let routes = Router::new()
-        .route("/v1/chat/completions", post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Chat, headers, body)))
-        .route("/v1/completions", post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Completions, headers, body)))
-        .route("/v1/responses", post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Responses, headers, body)))
-        .route("/v1/messages", post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Messages, headers, body)))
+        .route(
+            "/v1/chat/completions",
+            post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Chat, headers, body)),
+        )
+        .route(
+            "/v1/completions",
+            post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Completions, headers, body)),
+        )
+        .route(
+            "/v1/responses",
+            post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Responses, headers, body)),
+        )
+        .route(
+            "/v1/messages",
+            post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Messages, headers, body)),
+        )
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { "ok" }))
@@ -176,7 +188,10 @@ async fn reply(app: &App, call: Call) -> Response {
         for event in reply.sse_end() {
             let _ = tx.send(Bytes::from(event)).await;
         }
-        engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finish();
+        engine
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .finish();
     });
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")

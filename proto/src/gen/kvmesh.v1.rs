@@ -51,6 +51,9 @@ pub struct PickRequest {
     /// cover only a prefix of the prompt.
     #[prost(bool, tag = "17")]
     pub truncated: bool,
+    /// Correlates a PickStream request with its reply; unused by unary Pick.
+    #[prost(uint64, tag = "18")]
+    pub request_id: u64,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PickReply {
@@ -66,6 +69,9 @@ pub struct PickReply {
     /// Opaque id to quote in the Report of this request.
     #[prost(uint64, tag = "4")]
     pub pick_id: u64,
+    /// The request_id of the PickStream request answered.
+    #[prost(uint64, tag = "5")]
+    pub request_id: u64,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Outcome {

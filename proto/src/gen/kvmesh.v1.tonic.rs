@@ -122,6 +122,59 @@ pub mod router_client {
             req.extensions_mut().insert(GrpcMethod::new("kvmesh.v1.Router", "Report"));
             self.inner.unary(req, path, codec).await
         }
+        /// Pick over one long-lived stream per Envoy worker: each message is a
+        /// PickRequest with a request_id, answered by a PickReply with the same id,
+        /// in any order. Saves the per-call stream setup of the unary Pick, which
+        /// costs Envoy more than the decision itself.
+        pub async fn pick_stream(
+            &mut self,
+            request: impl tonic::IntoStreamingRequest<Message = crate::v1::PickRequest>,
+        ) -> std::result::Result<
+            tonic::Response<tonic::codec::Streaming<crate::v1::PickReply>>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvmesh.v1.Router/PickStream",
+            );
+            let mut req = request.into_streaming_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("kvmesh.v1.Router", "PickStream"));
+            self.inner.streaming(req, path, codec).await
+        }
+        /// Outcomes over one long-lived stream per Envoy worker.
+        pub async fn report_stream(
+            &mut self,
+            request: impl tonic::IntoStreamingRequest<Message = crate::v1::Outcome>,
+        ) -> std::result::Result<
+            tonic::Response<crate::v1::ReportReply>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvmesh.v1.Router/ReportStream",
+            );
+            let mut req = request.into_streaming_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("kvmesh.v1.Router", "ReportStream"));
+            self.inner.client_streaming(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -148,6 +201,25 @@ pub mod router_server {
         async fn report(
             &self,
             request: tonic::Request<crate::v1::Outcome>,
+        ) -> std::result::Result<tonic::Response<crate::v1::ReportReply>, tonic::Status>;
+        /// Server streaming response type for the PickStream method.
+        type PickStreamStream: tonic::codegen::tokio_stream::Stream<
+                Item = std::result::Result<crate::v1::PickReply, tonic::Status>,
+            >
+            + std::marker::Send
+            + 'static;
+        /// Pick over one long-lived stream per Envoy worker: each message is a
+        /// PickRequest with a request_id, answered by a PickReply with the same id,
+        /// in any order. Saves the per-call stream setup of the unary Pick, which
+        /// costs Envoy more than the decision itself.
+        async fn pick_stream(
+            &self,
+            request: tonic::Request<tonic::Streaming<crate::v1::PickRequest>>,
+        ) -> std::result::Result<tonic::Response<Self::PickStreamStream>, tonic::Status>;
+        /// Outcomes over one long-lived stream per Envoy worker.
+        async fn report_stream(
+            &self,
+            request: tonic::Request<tonic::Streaming<crate::v1::Outcome>>,
         ) -> std::result::Result<tonic::Response<crate::v1::ReportReply>, tonic::Status>;
     }
     #[derive(Debug)]
@@ -308,6 +380,99 @@ pub mod router_server {
                                 max_encoding_message_size,
                             );
                         let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/kvmesh.v1.Router/PickStream" => {
+                    #[allow(non_camel_case_types)]
+                    struct PickStreamSvc<T: Router>(pub Arc<T>);
+                    impl<
+                        T: Router,
+                    > tonic::server::StreamingService<crate::v1::PickRequest>
+                    for PickStreamSvc<T> {
+                        type Response = crate::v1::PickReply;
+                        type ResponseStream = T::PickStreamStream;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::ResponseStream>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<
+                                tonic::Streaming<crate::v1::PickRequest>,
+                            >,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as Router>::pick_stream(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = PickStreamSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.streaming(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/kvmesh.v1.Router/ReportStream" => {
+                    #[allow(non_camel_case_types)]
+                    struct ReportStreamSvc<T: Router>(pub Arc<T>);
+                    impl<
+                        T: Router,
+                    > tonic::server::ClientStreamingService<crate::v1::Outcome>
+                    for ReportStreamSvc<T> {
+                        type Response = crate::v1::ReportReply;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<tonic::Streaming<crate::v1::Outcome>>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as Router>::report_stream(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = ReportStreamSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.client_streaming(method, req).await;
                         Ok(res)
                     };
                     Box::pin(fut)

@@ -17,7 +17,8 @@ pub struct Process {
     name: String,
     child: Child,
     log: PathBuf,
-    lines: mpsc::Receiver<String>,
+    /// In a mutex only so a cluster can be shared between test tasks.
+    lines: std::sync::Mutex<mpsc::Receiver<String>>,
 }
 
 impl Process {
@@ -50,7 +51,7 @@ impl Process {
             name: name.to_owned(),
             child,
             log,
-            lines,
+            lines: std::sync::Mutex::new(lines),
         })
     }
 
@@ -63,7 +64,8 @@ impl Process {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left.min(Duration::from_millis(100))) {
+            let lines = self.lines.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+            match lines.recv_timeout(left.min(Duration::from_millis(100))) {
                 Ok(line) if line.contains(needle) => return Ok(line),
                 Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => {

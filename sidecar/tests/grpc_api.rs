@@ -25,6 +25,15 @@ impl Drop for Sidecar {
     }
 }
 
+/// The sidecar's first stdout line: the addresses it bound, once it serves.
+fn first_line(child: &mut Child) -> String {
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    line
+}
+
 fn start() -> Sidecar {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh-sidecar"))
         .args([
@@ -39,10 +48,7 @@ fn start() -> Sidecar {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let line = first_line(&mut child);
     let grpc = line
         .split_whitespace()
         .find_map(|w| w.strip_prefix("grpc="))
@@ -158,10 +164,7 @@ fn a_toml_file_configures_and_flags_override_it() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let line = first_line(&mut child);
     let _ = child.kill();
     let _ = child.wait();
     assert!(line.contains("listening grpc=127.0.0.1:"), "{line:?}");

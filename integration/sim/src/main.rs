@@ -87,23 +87,19 @@ async fn main() -> anyhow::Result<()> {
         engine: Arc::new(Mutex::new(engine)),
         args: Arc::new(args),
     };
-    let routes = Router::new()
-        .route(
-            "/v1/chat/completions",
-            post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Chat, headers, body)),
-        )
-        .route(
-            "/v1/completions",
-            post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Completions, headers, body)),
-        )
-        .route(
-            "/v1/responses",
-            post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Responses, headers, body)),
-        )
-        .route(
-            "/v1/messages",
-            post(|State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, Api::Messages, headers, body)),
-        )
+    let mut routes = Router::new();
+    for (path, api) in [
+        ("/v1/chat/completions", Api::Chat),
+        ("/v1/completions", Api::Completions),
+        ("/v1/responses", Api::Responses),
+        ("/v1/messages", Api::Messages),
+    ] {
+        routes = routes.route(
+            path,
+            post(move |State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, api, headers, body)),
+        );
+    }
+    let routes = routes
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { "ok" }))

@@ -41,5 +41,36 @@ fn bench_understand(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench_understand);
+criterion_group!(benches, bench_understand, bench_hostile);
 criterion_main!(benches);
+
+fn bench_hostile(c: &mut Criterion) {
+    let headers: Vec<(String, String)> = vec![("x-session-id".into(), "s".into())];
+    let config = FilterConfig::default();
+    let chat = |messages: String| format!(r#"{{"model":"m","messages":[{messages}]}}"#).into_bytes();
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("truncated_400KB", {
+            let mut b = agent_body(400_000);
+            b.truncate(b.len() - 100);
+            b
+        }),
+        (
+            "nesting_10000",
+            chat(format!("{}{}", "[".repeat(10_000), "]".repeat(10_000))),
+        ),
+        ("empty_messages_100000", chat(vec!["{}"; 100_000].join(","))),
+        (
+            "string_20MiB",
+            chat(format!(r#"{{"role":"user","content":"{}"}}"#, "a".repeat(20 << 20))),
+        ),
+    ];
+    let mut group = c.benchmark_group("hostile");
+    group.sample_size(10);
+    for (name, body) in &cases {
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(name), body, |b, body| {
+            b.iter(|| understand(Api::ChatCompletions, &headers, body, false, &config));
+        });
+    }
+    group.finish();
+}

@@ -157,6 +157,8 @@ pub struct Canonical {
 struct Builder<'e, 'a> {
     envelope: &'e Envelope<'a>,
     out: Vec<u8>,
+    /// Bytes past which nothing is hashed: stop building there.
+    limit: usize,
     truncated: bool,
     /// A cut body lacks a member that the stream puts before what it has.
     unknown_order: bool,
@@ -166,11 +168,15 @@ impl Builder<'_, '_> {
     /// Appends one part; on a cut body, a part that does not scan ends the
     /// stream (what came before it is kept).
     fn part(&mut self, name: &[u8], value: Range<usize>) -> Result<bool, CanonicalError> {
+        if self.out.len() >= self.limit {
+            self.truncated = true;
+            return Ok(false);
+        }
         let mark = self.out.len();
         self.out.push(SECTION);
         self.out.extend_from_slice(name);
         self.out.push(FIELD);
-        match scan::write_minified(self.envelope.body, value, DROPPED_KEYS, &mut self.out) {
+        match scan::write_minified(self.envelope.body, value, DROPPED_KEYS, &mut self.out, self.limit) {
             Ok(()) => Ok(true),
             Err(_) if self.envelope.truncated => {
                 self.out.truncate(mark);
@@ -208,27 +214,37 @@ impl Builder<'_, '_> {
         if self.envelope.body.get(span.start) != Some(&b'[') {
             return Err(CanonicalError::MissingField(key));
         }
-        let mut elements = Vec::new();
-        let scanned = scan::for_each_element(self.envelope.body, span, |e| elements.push(e));
+        // Parts are written as the elements are found, and the scan stops
+        // at the limit: a body of millions of tiny messages costs no more
+        // than the blocks that will be hashed.
+        let body = self.envelope.body;
+        let mut failed = None;
+        let scanned = scan::for_each_element(body, span, |element| match self.part(b"item", element) {
+            Ok(more) => more,
+            Err(err) => {
+                failed = Some(err);
+                false
+            }
+        });
+        if let Some(err) = failed {
+            return Err(err);
+        }
         match scanned {
             Ok(()) => {}
             Err(_) if self.envelope.truncated => self.truncated = true,
             Err(err) => return Err(err.into()),
         }
-        for element in elements {
-            if !self.part(b"item", element)? {
-                break;
-            }
-        }
         Ok(())
     }
 }
 
-/// Builds the canonical stream of a request of `api`.
-pub fn canonical_stream(api: Api, envelope: &Envelope<'_>) -> Result<Canonical, CanonicalError> {
+/// Builds the canonical stream of a request of `api`, up to `limit` bytes
+/// (what the block cap lets be hashed).
+pub fn canonical_stream(api: Api, envelope: &Envelope<'_>, limit: usize) -> Result<Canonical, CanonicalError> {
     let mut b = Builder {
         envelope,
-        out: Vec::with_capacity(envelope.body.len()),
+        limit,
+        out: Vec::with_capacity(envelope.body.len().min(limit)),
         truncated: false,
         unknown_order: false,
     };

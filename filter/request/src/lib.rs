@@ -61,7 +61,8 @@ pub fn understand(
         Err(_) if truncated => String::new(),
         Err(_) => return Err(NotUnderstood::Model),
     };
-    let mut canonical = canonical_stream(api, &envelope)?;
+    let limit = config.max_blocks.saturating_mul(config.block_bytes);
+    let mut canonical = canonical_stream(api, &envelope, limit)?;
     if truncated && envelope.raw("model").is_none() {
         // The model salts every hash; in a cut body it may come after the cut.
         canonical.stream.clear();

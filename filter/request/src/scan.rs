@@ -164,9 +164,13 @@ pub(crate) fn for_each_member(
 }
 
 /// Calls `each` with the span of every element of the array spanning `span`,
-/// in order. Elements before a malformed one have been seen when it fails, so
-/// a caller can keep what came before a truncation.
-pub(crate) fn for_each_element(bytes: &[u8], span: Range<usize>, mut each: impl FnMut(Range<usize>)) -> Result<()> {
+/// in order, until it returns `false`. Elements before a malformed one have
+/// been seen when it fails, so a caller can keep what came before a cut.
+pub(crate) fn for_each_element(
+    bytes: &[u8],
+    span: Range<usize>,
+    mut each: impl FnMut(Range<usize>) -> bool,
+) -> Result<()> {
     let bytes = &bytes[..span.end];
     let mut at = skip_ws(bytes, span.start);
     if bytes.get(at) != Some(&b'[') {
@@ -179,7 +183,9 @@ pub(crate) fn for_each_element(bytes: &[u8], span: Range<usize>, mut each: impl 
     loop {
         let element = value_span(bytes, at)?;
         at = skip_ws(bytes, element.end);
-        each(element);
+        if !each(element) {
+            return Ok(());
+        }
         match bytes.get(at) {
             Some(b',') => at = skip_ws(bytes, at + 1),
             Some(b']') => return Ok(()),
@@ -208,7 +214,16 @@ enum Expect {
 /// Appends the value spanning `span` to `out` with whitespace outside strings
 /// removed and every object member whose key is in `drop_keys` left out (at
 /// any depth). Strings are copied byte for byte, escapes included.
-pub(crate) fn write_minified(bytes: &[u8], span: Range<usize>, drop_keys: &[&str], out: &mut Vec<u8>) -> Result<()> {
+///
+/// Writing stops once `out` holds `max_len` bytes (nothing past them is
+/// hashed): the output then ends mid-value, and the rest is not checked.
+pub(crate) fn write_minified(
+    bytes: &[u8],
+    span: Range<usize>,
+    drop_keys: &[&str],
+    out: &mut Vec<u8>,
+    max_len: usize,
+) -> Result<()> {
     let bytes = &bytes[..span.end];
     // Per open container: (is an object, has written a member or element).
     let mut stack: Vec<(bool, bool)> = Vec::new();
@@ -216,6 +231,10 @@ pub(crate) fn write_minified(bytes: &[u8], span: Range<usize>, drop_keys: &[&str
     let mut expect = Expect::Value;
     let byte_at = |at: usize| bytes.get(at).copied().ok_or(ScanError::Eof);
     loop {
+        if out.len() >= max_len {
+            out.truncate(max_len);
+            return Ok(());
+        }
         at = skip_ws(bytes, at);
         match expect {
             Expect::Value => match byte_at(at)? {
@@ -234,7 +253,9 @@ pub(crate) fn write_minified(bytes: &[u8], span: Range<usize>, drop_keys: &[&str
                 }
                 b'"' => {
                     let end = skip_string(bytes, at)?;
-                    out.extend_from_slice(&bytes[at..end]);
+                    // A huge string is copied only up to the limit.
+                    let room = max_len.saturating_sub(out.len());
+                    out.extend_from_slice(&bytes[at..end.min(at.saturating_add(room))]);
                     at = end;
                     expect = Expect::AfterValue;
                 }

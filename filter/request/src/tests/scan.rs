@@ -44,7 +44,7 @@ fn without(value: &Value, key: &str) -> Value {
 
 fn minified(bytes: &[u8], drop: &[&str]) -> Result<Vec<u8>, ScanError> {
     let mut out = Vec::new();
-    scan::write_minified(bytes, 0..bytes.len(), drop, &mut out)?;
+    scan::write_minified(bytes, 0..bytes.len(), drop, &mut out, usize::MAX)?;
     Ok(out)
 }
 
@@ -78,7 +78,11 @@ proptest! {
             }
             Value::Array(items) => {
                 let mut seen = Vec::new();
-                scan::for_each_element(&text, 0..text.len(), |e| seen.push(e)).unwrap();
+                scan::for_each_element(&text, 0..text.len(), |e| {
+                    seen.push(e);
+                    true
+                })
+                .unwrap();
                 let parsed: Vec<Value> = seen.into_iter().map(|e| serde_json::from_slice(&text[e]).unwrap()).collect();
                 prop_assert_eq!(&parsed, items);
             }
@@ -90,7 +94,7 @@ proptest! {
     fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
         let _ = minified(&bytes, &["cache_control"]);
         let _ = scan::for_each_member(&bytes, 0..bytes.len(), |_, _| {});
-        let _ = scan::for_each_element(&bytes, 0..bytes.len(), |_| {});
+        let _ = scan::for_each_element(&bytes, 0..bytes.len(), |_| true);
     }
 
     #[test]
@@ -145,4 +149,13 @@ fn malformed_structure_is_an_error() {
     let deep_closed = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
     assert_eq!(minified(deep_closed.as_bytes(), &[]), Err(ScanError::TooDeep));
     assert_eq!(scan::value_span(deep_closed.as_bytes(), 0), Err(ScanError::TooDeep));
+}
+
+#[test]
+fn writing_stops_at_the_limit_even_inside_a_string() {
+    let text = format!(r#"{{"a":"{}","b":[1,2,3]}}"#, "x".repeat(1000));
+    let mut out = Vec::new();
+    scan::write_minified(text.as_bytes(), 0..text.len(), &[], &mut out, 100).unwrap();
+    assert_eq!(out.len(), 100);
+    assert_eq!(&out[..], &text.as_bytes()[..100]);
 }

@@ -233,3 +233,46 @@ fn configuration_errors_name_the_field() {
     let cfg = FilterConfig::from_json(br#"{"sidecar_timeout_ms": 120, "block_bytes": 64}"#).unwrap();
     assert_eq!((cfg.sidecar_timeout_ms, cfg.block_bytes), (120, 64));
 }
+
+#[test]
+fn priority_and_dynamo_agent_hints_are_read() {
+    let cfg = FilterConfig::default();
+    let body =
+        br#"{"model":"m","messages":[],"nvext":{"agent_hints":{"osl":900,"priority":3,"latency_sensitivity":0.7}}}"#;
+    let got = understand(Api::ChatCompletions, &headers(&[]), body, false, &cfg)
+        .unwrap()
+        .hints;
+    assert_eq!(
+        (got.expected_output_tokens, got.priority, got.latency_sensitivity),
+        (Some(900), Some(3), Some(0.7))
+    );
+    // The header wins over the hint, and max_tokens over osl.
+    let body = br#"{"model":"m","messages":[],"max_tokens":50,"nvext":{"agent_hints":{"osl":900,"priority":3}}}"#;
+    let got = understand(
+        Api::ChatCompletions,
+        &headers(&[("x-kvmesh-priority", " -2 ")]),
+        body,
+        false,
+        &cfg,
+    )
+    .unwrap()
+    .hints;
+    assert_eq!((got.expected_output_tokens, got.priority), (Some(50), Some(-2)));
+}
+
+#[test]
+fn a_previous_response_id_starts_its_own_chain() {
+    let cfg = FilterConfig::default();
+    let fresh = br#"{"model":"m","input":[{"role":"user","content":"hello there"}]}"#;
+    let continued =
+        br#"{"model":"m","previous_response_id":"resp_1","input":[{"role":"user","content":"hello there"}]}"#;
+    let a = understand(Api::Responses, &headers(&[]), fresh, false, &cfg)
+        .unwrap()
+        .hashes
+        .hashes;
+    let b = understand(Api::Responses, &headers(&[]), continued, false, &cfg)
+        .unwrap()
+        .hashes
+        .hashes;
+    assert!(a.iter().all(|h| !b.contains(h)));
+}

@@ -62,8 +62,21 @@ impl Context for Root {
             shared.metrics.fail_open(FailOpen::BadReply);
             return;
         };
-        // A reply for a request that timed out or went away is just late.
+        // A reply for a request that timed out or went away is late: the
+        // sidecar counted the pick as in flight, so give it back at once.
         let Some(pending) = shared.streams.borrow_mut().answered(token_id, reply.request_id) else {
+            let abandoned = v1::Outcome {
+                pick_id: reply.pick_id,
+                ..v1::Outcome::default()
+            };
+            let token = shared.streams.borrow().report_token();
+            if let Some(token) = token
+                && proxy_wasm::hostcalls::send_grpc_stream_message(token, Some(&abandoned.encode_to_vec()), false)
+                    .is_err()
+            {
+                shared.streams.borrow_mut().lost(token);
+            }
+            shared.metrics.inc(shared.metrics.late_replies);
             return;
         };
         match destination_value(&reply) {

@@ -45,6 +45,8 @@ pub(crate) struct Metrics {
     pub(crate) outcomes_reported: Option<u32>,
     pub(crate) outcomes_with_usage: Option<u32>,
     pub(crate) report_failed: Option<u32>,
+    /// Pick replies that came after their request failed open.
+    pub(crate) late_replies: Option<u32>,
     fail_open: [Option<u32>; 6],
     parse_error: [Option<u32>; 4],
 }
@@ -63,6 +65,7 @@ impl Metrics {
             outcomes_reported: counter("kvmesh.outcomes.reported"),
             outcomes_with_usage: counter("kvmesh.outcomes.with_usage"),
             report_failed: counter("kvmesh.outcomes.report_failed"),
+            late_replies: counter("kvmesh.sidecar.late_replies"),
             fail_open: FAIL_OPEN_REASONS.map(|reason| counter(&format!("kvmesh.fail_open.{reason}"))),
             parse_error: Api::ALL.map(|api| counter(&format!("kvmesh.parse_error.{}", api.name()))),
         }

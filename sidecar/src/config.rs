@@ -45,9 +45,56 @@ pub(crate) struct Args {
     )]
     pub(crate) workers: Vec<String>,
 
-    /// Prefix blocks each worker's KV cache holds before it evicts [default: 65536].
+    /// Workers as DNS names with a port (a Kubernetes headless Service),
+    /// re-resolved every --dns-interval-secs; every address is a worker.
+    #[arg(
+        long = "worker-dns",
+        env = "KVMESH_WORKER_DNS",
+        value_name = "HOST:PORT",
+        value_delimiter = ','
+    )]
+    pub(crate) worker_dns: Vec<String>,
+
+    /// Seconds between DNS re-resolutions of --worker-dns [default: 10].
+    #[arg(long, env = "KVMESH_DNS_INTERVAL_SECS", value_name = "SECS")]
+    pub(crate) dns_interval_secs: Option<u64>,
+
+    /// Prefix blocks each worker's KV cache holds before it evicts, until
+    /// the engine's metrics say [default: 65536].
     #[arg(long, env = "KVMESH_WORKER_CAPACITY_BLOCKS", value_name = "N")]
     pub(crate) worker_capacity_blocks: Option<usize>,
+
+    /// A worker's prefill throughput in tokens per millisecond until its
+    /// responses teach its own [default: 10, about an H100 on a 30B model].
+    #[arg(long, env = "KVMESH_PREFILL_TOKENS_PER_MS", value_name = "N")]
+    pub(crate) prefill_tokens_per_ms: Option<f64>,
+
+    /// A session idle this long is over [default: 1800].
+    #[arg(long, env = "KVMESH_SESSION_TTL_SECS", value_name = "SECS")]
+    pub(crate) session_ttl_secs: Option<u64>,
+
+    /// Milliseconds between scrapes of each worker's metrics; 0 turns the
+    /// engine watcher off [default: 1000].
+    #[arg(long, env = "KVMESH_SCRAPE_INTERVAL_MS", value_name = "MS")]
+    pub(crate) scrape_interval_ms: Option<u64>,
+
+    /// Path of the engines' Prometheus metrics [default: /metrics].
+    #[arg(long, env = "KVMESH_METRICS_PATH", value_name = "PATH")]
+    pub(crate) metrics_path: Option<String>,
+
+    /// Redis URL shared by the replicas of this GPU cluster (e.g.
+    /// redis://redis:6379/0). Without it, state lives in memory only.
+    #[arg(long, env = "KVMESH_REDIS", value_name = "URL")]
+    pub(crate) redis: Option<String>,
+
+    /// Name of this GPU cluster: scopes every Redis key [default: default].
+    #[arg(long, env = "KVMESH_CLUSTER", value_name = "NAME")]
+    pub(crate) cluster: Option<String>,
+
+    /// Seconds between snapshots written to Redis for warm restarts
+    /// [default: 30].
+    #[arg(long, env = "KVMESH_SNAPSHOT_INTERVAL_SECS", value_name = "SECS")]
+    pub(crate) snapshot_interval_secs: Option<u64>,
 
     /// Log filter, e.g. "info" or "kvmesh_sidecar=debug" [default: info].
     #[arg(long, env = "KVMESH_LOG", value_name = "FILTER")]
@@ -62,7 +109,17 @@ struct FileConfig {
     admin_listen: Option<String>,
     #[serde(default)]
     workers: Vec<String>,
+    #[serde(default)]
+    worker_dns: Vec<String>,
+    dns_interval_secs: Option<u64>,
     worker_capacity_blocks: Option<usize>,
+    prefill_tokens_per_ms: Option<f64>,
+    session_ttl_secs: Option<u64>,
+    scrape_interval_ms: Option<u64>,
+    metrics_path: Option<String>,
+    redis: Option<String>,
+    cluster: Option<String>,
+    snapshot_interval_secs: Option<u64>,
     log: Option<String>,
 }
 
@@ -72,7 +129,17 @@ pub(crate) struct Settings {
     pub(crate) grpc_listen: SocketAddr,
     pub(crate) admin_listen: SocketAddr,
     pub(crate) workers: Vec<SocketAddr>,
+    pub(crate) worker_dns: Vec<String>,
+    pub(crate) dns_interval: std::time::Duration,
     pub(crate) worker_capacity_blocks: usize,
+    pub(crate) prefill_tokens_per_ms: f64,
+    pub(crate) session_ttl_secs: u64,
+    /// `None` when the engine watcher is off.
+    pub(crate) scrape_interval: Option<std::time::Duration>,
+    pub(crate) metrics_path: String,
+    pub(crate) redis: Option<String>,
+    pub(crate) cluster: String,
+    pub(crate) snapshot_interval: std::time::Duration,
     pub(crate) log: String,
 }
 
@@ -128,9 +195,50 @@ impl Settings {
                 )),
             }
         }
-        if workers.is_empty() {
-            errors.push("no workers: give --worker IP:PORT (or KVMESH_WORKERS, or `workers` in the file)".to_owned());
+        let worker_dns: Vec<String> = if args.worker_dns.is_empty() {
+            file.worker_dns
+        } else {
+            args.worker_dns
+        };
+        for name in &worker_dns {
+            if name
+                .rsplit_once(':')
+                .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
+            {
+                errors.push(format!("worker_dns {name:?} is not HOST:PORT"));
+            }
         }
+        if workers.is_empty() && worker_dns.is_empty() {
+            errors.push(
+                "no workers: give --worker IP:PORT or --worker-dns HOST:PORT (or KVMESH_WORKERS / KVMESH_WORKER_DNS, or the file)"
+                    .to_owned(),
+            );
+        }
+        let prefill_tokens_per_ms = args
+            .prefill_tokens_per_ms
+            .or(file.prefill_tokens_per_ms)
+            .unwrap_or(10.0);
+        if !(prefill_tokens_per_ms.is_finite() && prefill_tokens_per_ms > 0.0) {
+            errors.push("prefill_tokens_per_ms must be a positive number".to_owned());
+        }
+        let metrics_path = args
+            .metrics_path
+            .or(file.metrics_path)
+            .unwrap_or_else(|| "/metrics".to_owned());
+        if !metrics_path.starts_with('/') {
+            errors.push(format!("metrics_path {metrics_path:?} must start with /"));
+        }
+        let redis = args.redis.or(file.redis).filter(|r| !r.trim().is_empty());
+        if let Some(url) = &redis
+            && !(url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://"))
+        {
+            errors.push(format!("redis {url:?} is not a redis:// URL"));
+        }
+        let cluster = args.cluster.or(file.cluster).unwrap_or_else(|| "default".to_owned());
+        if cluster.is_empty() || !cluster.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+            errors.push(format!("cluster {cluster:?} must be letters, digits, '-', '_' or '.'"));
+        }
+        let scrape_ms = args.scrape_interval_ms.or(file.scrape_interval_ms).unwrap_or(1000);
         let worker_capacity_blocks = args
             .worker_capacity_blocks
             .or(file.worker_capacity_blocks)
@@ -145,7 +253,23 @@ impl Settings {
             grpc_listen,
             admin_listen,
             workers,
+            worker_dns,
+            dns_interval: std::time::Duration::from_secs(
+                args.dns_interval_secs.or(file.dns_interval_secs).unwrap_or(10).max(1),
+            ),
             worker_capacity_blocks,
+            prefill_tokens_per_ms,
+            session_ttl_secs: args.session_ttl_secs.or(file.session_ttl_secs).unwrap_or(1800),
+            scrape_interval: (scrape_ms > 0).then(|| std::time::Duration::from_millis(scrape_ms)),
+            metrics_path,
+            redis,
+            cluster,
+            snapshot_interval: std::time::Duration::from_secs(
+                args.snapshot_interval_secs
+                    .or(file.snapshot_interval_secs)
+                    .unwrap_or(30)
+                    .max(1),
+            ),
             log: args.log.or(file.log).unwrap_or_else(|| "info".to_owned()),
         })
     }

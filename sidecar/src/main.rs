@@ -4,8 +4,10 @@
 
 mod admin;
 mod config;
+mod engine_metrics;
 mod metrics;
 mod service;
+mod watcher;
 
 use std::process::ExitCode;
 
@@ -52,6 +54,8 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
     let router = Router::new(
         RouterConfig {
             worker_capacity_blocks: settings.worker_capacity_blocks,
+            default_prefill_tokens_per_ms: settings.prefill_tokens_per_ms,
+            session_ttl_ms: settings.session_ttl_secs.saturating_mul(1000),
             ..RouterConfig::default()
         },
         settings.workers.iter().map(ToString::to_string),
@@ -66,6 +70,25 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
         .with_context(|| format!("binding admin HTTP on {}", settings.admin_listen))?;
     let grpc_addr = grpc.local_addr()?;
     let admin_addr = admin.local_addr()?;
+
+    if let Some(interval) = settings.scrape_interval {
+        tokio::spawn(watcher::watch_engines(
+            shared.clone(),
+            interval,
+            settings.metrics_path.clone(),
+        ));
+    }
+    if !settings.worker_dns.is_empty() {
+        tokio::spawn(watcher::resolve_workers(
+            shared.clone(),
+            settings.worker_dns.clone(),
+            settings.dns_interval,
+        ));
+    }
+    tokio::spawn(watcher::expire_sessions(
+        shared.clone(),
+        std::time::Duration::from_secs(10),
+    ));
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<RouterServer<RouterService>>().await;

@@ -26,6 +26,11 @@ struct KnownLabel {
     known: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabel {
+    event: &'static str,
+}
+
 /// All sidecar metrics. Per-worker gauges are refreshed at scrape time from
 /// the router, so they can never drift from it.
 #[derive(Debug)]
@@ -41,7 +46,12 @@ pub(crate) struct Metrics {
     worker_in_flight: Family<WorkerLabel, Gauge>,
     worker_cached_blocks: Family<WorkerLabel, Gauge>,
     worker_healthy: Family<WorkerLabel, Gauge>,
+    worker_capacity_blocks: Family<WorkerLabel, Gauge>,
+    worker_live_sessions: Family<WorkerLabel, Gauge>,
+    worker_events: Family<EventLabel, Counter>,
     sessions: Gauge,
+    index_entries: Gauge,
+    index_bytes: Gauge,
 }
 
 impl Metrics {
@@ -62,7 +72,12 @@ impl Metrics {
             worker_in_flight: Family::default(),
             worker_cached_blocks: Family::default(),
             worker_healthy: Family::default(),
+            worker_capacity_blocks: Family::default(),
+            worker_live_sessions: Family::default(),
+            worker_events: Family::default(),
             sessions: Gauge::default(),
+            index_entries: Gauge::default(),
+            index_bytes: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register("picks", "Pick decisions by reason", m.picks.clone());
@@ -111,7 +126,32 @@ impl Metrics {
             "1 when the worker may be picked",
             m.worker_healthy.clone(),
         );
-        registry.register("sessions", "Sessions remembered for affinity", m.sessions.clone());
+        registry.register("sessions", "Live sessions", m.sessions.clone());
+        registry.register(
+            "worker_capacity_blocks",
+            "Blocks the router believes each worker can hold (corrected by outcomes)",
+            m.worker_capacity_blocks.clone(),
+        );
+        registry.register(
+            "worker_live_sessions",
+            "Live sessions homed on each worker",
+            m.worker_live_sessions.clone(),
+        );
+        registry.register(
+            "worker_events",
+            "Worker lifecycle events seen by the engine watcher (down, up, restart)",
+            m.worker_events.clone(),
+        );
+        registry.register(
+            "index_entries",
+            "(block, worker) entries in the prefix index",
+            m.index_entries.clone(),
+        );
+        registry.register(
+            "index_bytes",
+            "Heap bytes held by the prefix index",
+            m.index_bytes.clone(),
+        );
         Self { registry, ..m }
     }
 
@@ -133,8 +173,18 @@ impl Metrics {
         self.reported_cached_tokens.inc_by(cached_tokens.unwrap_or(0));
     }
 
-    /// Prometheus text exposition, with worker gauges taken from `workers`.
-    pub(crate) fn render(&self, workers: &[WorkerView], sessions: usize) -> String {
+    pub(crate) fn observe_worker_event(&self, event: &'static str) {
+        self.worker_events.get_or_create(&EventLabel { event }).inc();
+    }
+
+    /// Prometheus text exposition, with the gauges taken from the router.
+    pub(crate) fn render(
+        &self,
+        workers: &[WorkerView],
+        sessions: usize,
+        index_entries: usize,
+        index_bytes: usize,
+    ) -> String {
         for w in workers {
             let label = WorkerLabel {
                 worker: w.address.clone(),
@@ -144,8 +194,17 @@ impl Metrics {
                 .get_or_create(&label)
                 .set(i64::try_from(w.cached_blocks).unwrap_or(i64::MAX));
             self.worker_healthy.get_or_create(&label).set(i64::from(w.healthy));
+            self.worker_capacity_blocks
+                .get_or_create(&label)
+                .set(i64::try_from(w.capacity_blocks).unwrap_or(i64::MAX));
+            self.worker_live_sessions
+                .get_or_create(&label)
+                .set(i64::from(w.live_sessions));
         }
-        self.sessions.set(i64::try_from(sessions).unwrap_or(i64::MAX));
+        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.sessions.set(gauge(sessions));
+        self.index_entries.set(gauge(index_entries));
+        self.index_bytes.set(gauge(index_bytes));
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);

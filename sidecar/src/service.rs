@@ -50,10 +50,19 @@ impl RouterService {
 fn reason_to_wire(reason: Reason) -> v1::PickReason {
     match reason {
         Reason::PrefixMatch => v1::PickReason::PrefixMatch,
-        Reason::LeastLoaded => v1::PickReason::LeastLoaded,
+        Reason::LoadSpill => v1::PickReason::LoadSpill,
         Reason::SessionAffinity => v1::PickReason::SessionAffinity,
+        Reason::ParentSeed => v1::PickReason::ParentSeed,
+        Reason::LeastLoaded => v1::PickReason::LeastLoaded,
         Reason::NoWorkers => v1::PickReason::NoWorkers,
     }
+}
+
+/// Wall-clock milliseconds: session TTLs and replicas share this clock.
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 impl Shared {
@@ -65,7 +74,14 @@ impl Shared {
             let decision: Decision = router.pick(PickInput {
                 block_hashes: &req.block_hashes,
                 last_block_partial: req.last_block_partial,
+                block_bytes: req.block_bytes,
+                prompt_bytes: req.prompt_bytes,
                 session_id: &req.session_id,
+                agent_id: &req.agent_id,
+                parent_id: &req.parent_id,
+                model: &req.model,
+                session_final: req.session_final,
+                now_ms: now_ms(),
             });
             let destinations: Vec<String> = decision
                 .ranked
@@ -101,6 +117,9 @@ impl Shared {
     pub(crate) fn report(&self, outcome: &v1::Outcome) {
         let known = self.router().report(Outcome {
             pick_id: outcome.pick_id,
+            prompt_tokens: outcome.prompt_tokens,
+            cached_tokens: outcome.cached_tokens,
+            ttfb_ms: outcome.ttfb_ms,
         });
         self.metrics
             .observe_report(known, outcome.prompt_tokens, outcome.cached_tokens);

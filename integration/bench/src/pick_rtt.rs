@@ -24,7 +24,7 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
     let workers: Vec<std::net::SocketAddr> = (1..=3)
         .map(|i| format!("10.0.0.{i}:8000").parse())
         .collect::<Result<_, _>>()?;
-    let (mut sidecar, grpc, _) = start_sidecar(&dir, Profile::Release, "127.0.0.1:0".parse()?, &workers)?;
+    let (mut sidecar, grpc, _) = start_sidecar(&dir, Profile::Release, "127.0.0.1:0".parse()?, &workers, &[])?;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))?
         .tcp_nodelay(true)
         .connect()

@@ -1,7 +1,9 @@
 //! `kvmesh-sim`: a simulated GPU inference worker. It speaks the OpenAI chat
 //! completions API (JSON and SSE), keeps its own prefix cache over its own
 //! token blocks (it knows nothing of kvmesh's hashes), reports `usage` with
-//! cached tokens the way vLLM does, and exposes vLLM-named `/metrics`.
+//! cached tokens the way vLLM does, and exposes `/metrics` under vLLM's names
+//! or SGLang's (`--metrics-names`). `POST /admin/restart` and
+//! `POST /admin/reset-cache` simulate an engine restart and a cache reset.
 //!
 //! Timing is a first model: prefill time proportional to uncached prompt
 //! tokens and a fixed time per output token, both scaled by `--time-scale`.
@@ -20,7 +22,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -53,6 +55,16 @@ struct Args {
     /// Output tokens when the request gives no max_tokens.
     #[arg(long, default_value_t = 16)]
     default_output_tokens: u32,
+    /// Which engine's metric names `/metrics` uses.
+    #[arg(long, value_enum, default_value_t = MetricsNames::Vllm)]
+    metrics_names: MetricsNames,
+}
+
+/// The engine whose Prometheus names the sim's `/metrics` speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum MetricsNames {
+    Vllm,
+    Sglang,
 }
 
 #[derive(Debug, Clone)]
@@ -102,6 +114,8 @@ async fn main() -> anyhow::Result<()> {
     let routes = routes
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
+        .route("/admin/restart", post(restart))
+        .route("/admin/reset-cache", post(reset_cache))
         .route("/health", get(|| async { "ok" }))
         .fallback(fallback)
         .with_state(app);
@@ -214,7 +228,30 @@ async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
 }
 
 async fn metrics(State(app): State<App>) -> String {
-    app.engine().render_vllm_metrics()
+    match app.args.metrics_names {
+        MetricsNames::Vllm => app.engine().render_vllm_metrics(),
+        MetricsNames::Sglang => app.engine().render_sglang_metrics(),
+    }
+}
+
+/// Simulates an engine restart: cache wiped, counters from zero, a new start time.
+async fn restart(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let process_start_time = {
+        let mut engine = app.engine();
+        engine.restart();
+        engine.process_start_time()
+    };
+    tracing::info!("kvmesh-sim {} restarted (simulated)", app.name);
+    let reply = axum::Json(json!({"restarted": true, "process_start_time_seconds": process_start_time}));
+    tag(&app, &headers, &body, reply.into_response())
+}
+
+/// Simulates a cache reset without a restart: the counters go on.
+async fn reset_cache(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    app.engine().reset_cache();
+    tracing::info!("kvmesh-sim {} cache reset (simulated)", app.name);
+    let reply = axum::Json(json!({"cache_reset": true}));
+    tag(&app, &headers, &body, reply.into_response())
 }
 
 async fn fallback(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {

@@ -114,12 +114,17 @@ pub enum PickReason {
     Unspecified = 0,
     /// A worker holds a prefix of the request.
     PrefixMatch = 1,
-    /// No worker holds any of it; the least loaded one was chosen.
+    /// No worker holds any of it; the least costly one was chosen.
     LeastLoaded = 2,
-    /// The session's previous worker, with no better prefix anywhere.
+    /// No prefix anywhere: the session's home won the tie.
     SessionAffinity = 3,
     /// No healthy worker is known: the reply carries no destination.
     NoWorkers = 4,
+    /// Another worker holds more of the prefix but is loaded enough that
+    /// recomputing here is cheaper.
+    LoadSpill = 5,
+    /// No prefix anywhere: a subagent seeded on its parent's worker.
+    ParentSeed = 6,
 }
 impl PickReason {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -133,6 +138,8 @@ impl PickReason {
             Self::LeastLoaded => "PICK_REASON_LEAST_LOADED",
             Self::SessionAffinity => "PICK_REASON_SESSION_AFFINITY",
             Self::NoWorkers => "PICK_REASON_NO_WORKERS",
+            Self::LoadSpill => "PICK_REASON_LOAD_SPILL",
+            Self::ParentSeed => "PICK_REASON_PARENT_SEED",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -143,6 +150,8 @@ impl PickReason {
             "PICK_REASON_LEAST_LOADED" => Some(Self::LeastLoaded),
             "PICK_REASON_SESSION_AFFINITY" => Some(Self::SessionAffinity),
             "PICK_REASON_NO_WORKERS" => Some(Self::NoWorkers),
+            "PICK_REASON_LOAD_SPILL" => Some(Self::LoadSpill),
+            "PICK_REASON_PARENT_SEED" => Some(Self::ParentSeed),
             _ => None,
         }
     }

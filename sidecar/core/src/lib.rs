@@ -1,13 +1,20 @@
 //! The kvmesh routing core: where should this request go? Pure and
-//! synchronous: no clock, no I/O, no async. The sidecar owns one `Router` and
-//! feeds it Picks and Outcomes; the benchmark drives the very same code.
+//! synchronous: no clock (time comes in as `now_ms`), no I/O, no async. The
+//! sidecar owns one `Router` and feeds it Picks, Outcomes and engine
+//! signals; the benchmark drives the very same code.
 #![forbid(unsafe_code)]
 
+mod index;
 mod lru;
 mod router;
+mod sessions;
 
+pub use index::PrefixIndex;
 pub use lru::Lru;
-pub use router::{Decision, Outcome, PickInput, Reason, Router, RouterConfig, WorkerId, WorkerView};
+pub use router::{
+    Decision, Outcome, PickInput, Reason, Router, RouterConfig, Snapshot, WorkerId, WorkerLoad, WorkerState, WorkerView,
+};
+pub use sessions::SessionTable;
 
 #[cfg(test)]
 mod tests;

@@ -69,6 +69,18 @@ impl<K: Hash + Eq + Clone> Lru<K> {
         evicted
     }
 
+    /// The least recently used key, without removing it.
+    pub fn oldest(&mut self) -> Option<&K> {
+        // Skip entries made stale by later touches or removals.
+        while let Some((stamp, key)) = self.order.front() {
+            if self.stamp_of.get(key) == Some(stamp) {
+                break;
+            }
+            self.order.pop_front();
+        }
+        self.order.front().map(|(_, key)| key)
+    }
+
     /// Removes and returns the least recently used key.
     pub fn pop_oldest(&mut self) -> Option<K> {
         while let Some((stamp, key)) = self.order.pop_front() {

@@ -1,0 +1,105 @@
+//! `PrefixIndex` against a plain reference model (a list per worker, oldest
+//! first) under random insert / evict / lookup / clear sequences.
+
+use proptest::prelude::*;
+
+use crate::{PrefixIndex, WorkerId};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Insert { worker: usize, blocks: Vec<u64> },
+    Lookup { blocks: Vec<u64> },
+    DropOldest { worker: usize, count: usize },
+    SetCapacity { worker: usize, capacity: usize },
+    Clear { worker: usize },
+}
+
+const WORKERS: usize = 4;
+
+fn op() -> impl Strategy<Value = Op> {
+    // Small hash space so blocks are shared between workers and requests.
+    let blocks = prop::collection::vec(0u64..40, 0..12);
+    prop_oneof![
+        4 => (0..WORKERS, blocks.clone()).prop_map(|(worker, blocks)| Op::Insert { worker, blocks }),
+        3 => blocks.prop_map(|blocks| Op::Lookup { blocks }),
+        1 => (0..WORKERS, 0usize..6).prop_map(|(worker, count)| Op::DropOldest { worker, count }),
+        1 => (0..WORKERS, 1usize..30).prop_map(|(worker, capacity)| Op::SetCapacity { worker, capacity }),
+        1 => (0..WORKERS).prop_map(|worker| Op::Clear { worker }),
+    ]
+}
+
+/// The reference: per worker, its blocks oldest first, and its capacity.
+#[derive(Debug)]
+struct Model {
+    lists: Vec<Vec<u64>>,
+    capacity: Vec<usize>,
+}
+
+impl Model {
+    fn trim(&mut self, w: usize) -> usize {
+        let over = self.lists[w].len().saturating_sub(self.capacity[w]);
+        self.lists[w].drain(..over);
+        over
+    }
+
+    fn insert(&mut self, w: usize, blocks: &[u64]) -> usize {
+        for b in blocks.iter().rev() {
+            self.lists[w].retain(|x| x != b);
+            self.lists[w].push(*b);
+        }
+        self.trim(w)
+    }
+
+    fn overlap(&self, w: usize, blocks: &[u64]) -> usize {
+        blocks.iter().take_while(|b| self.lists[w].contains(b)).count()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+    #[test]
+    fn index_matches_the_reference_model(ops in prop::collection::vec(op(), 1..80)) {
+        let mut index = PrefixIndex::new();
+        let mut model = Model { lists: vec![Vec::new(); WORKERS], capacity: vec![16; WORKERS] };
+        for _ in 0..WORKERS {
+            index.add_worker(16);
+        }
+        let mut overlaps = Vec::new();
+        for op in ops {
+            match op {
+                Op::Insert { worker, blocks } => {
+                    // A request's blocks are distinct (they are a hash chain).
+                    let mut seen = std::collections::HashSet::new();
+                    let blocks: Vec<u64> = blocks.into_iter().filter(|b| seen.insert(*b)).collect();
+                    let evicted = index.insert(WorkerId(worker), &blocks);
+                    prop_assert_eq!(evicted, model.insert(worker, &blocks));
+                }
+                Op::Lookup { blocks } => {
+                    index.overlaps(&blocks, &mut overlaps);
+                    for w in 0..WORKERS {
+                        prop_assert_eq!(overlaps[w], model.overlap(w, &blocks), "worker {}", w);
+                    }
+                }
+                Op::DropOldest { worker, count } => {
+                    let dropped = index.drop_oldest(WorkerId(worker), count);
+                    let expected = count.min(model.lists[worker].len());
+                    model.lists[worker].drain(..expected);
+                    prop_assert_eq!(dropped, expected);
+                }
+                Op::SetCapacity { worker, capacity } => {
+                    model.capacity[worker] = capacity;
+                    prop_assert_eq!(index.set_capacity(WorkerId(worker), capacity), model.trim(worker));
+                }
+                Op::Clear { worker } => {
+                    index.clear_worker(WorkerId(worker));
+                    model.lists[worker].clear();
+                }
+            }
+            for w in 0..WORKERS {
+                prop_assert_eq!(index.blocks_oldest_first(WorkerId(w)), model.lists[w].clone());
+                prop_assert_eq!(index.len(WorkerId(w)), model.lists[w].len());
+            }
+            prop_assert_eq!(index.entries(), model.lists.iter().map(Vec::len).sum::<usize>());
+        }
+    }
+}

@@ -1,0 +1,2 @@
+mod decisions;
+mod index_model;

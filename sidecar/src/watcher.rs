@@ -1,0 +1,156 @@
+//! The sidecar's background loops, at the I/O edge: scraping each engine's
+//! Prometheus metrics (load, capacity, restarts, health), re-resolving
+//! workers given as DNS names, and ending idle sessions.
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use kvmesh_core::WorkerState;
+use tracing::{info, warn};
+
+use crate::engine_metrics::{self, EngineSnapshot};
+use crate::service::{Shared, now_ms};
+
+/// A worker is marked down after this many failed scrapes in a row.
+const FAILURES_BEFORE_DOWN: u32 = 2;
+
+/// The block size the filter uses by default; capacities in tokens from
+/// the engine become blocks with it.
+const BLOCK_BYTES: u32 = 256;
+
+#[derive(Debug, Default)]
+struct Seen {
+    last: Option<EngineSnapshot>,
+    failures: u32,
+}
+
+/// Scrapes every worker's metrics each `interval`, feeding the router.
+pub(crate) async fn watch_engines(shared: Shared, interval: Duration, metrics_path: String) {
+    let client = match reqwest::Client::builder()
+        .no_proxy()
+        .timeout(interval.clamp(Duration::from_millis(200), Duration::from_secs(2)))
+        .build()
+    {
+        Ok(client) => client,
+        Err(err) => {
+            warn!("engine watcher disabled: cannot build an HTTP client: {err}");
+            return;
+        }
+    };
+    let mut seen: HashMap<String, Seen> = HashMap::new();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let addresses: Vec<String> = shared
+            .router()
+            .workers()
+            .into_iter()
+            .filter(|w| w.state != WorkerState::Removed)
+            .map(|w| w.address)
+            .collect();
+        let scrapes = addresses.iter().map(|address| {
+            let url = format!("http://{address}{metrics_path}");
+            let client = client.clone();
+            async move {
+                let text = client.get(url).send().await?.error_for_status()?.text().await?;
+                Ok::<_, reqwest::Error>(engine_metrics::parse(&text))
+            }
+        });
+        let results = futures_util::future::join_all(scrapes).await;
+        for (address, result) in addresses.into_iter().zip(results) {
+            let state = seen.entry(address.clone()).or_default();
+            apply_scrape(&shared, &address, state, result);
+        }
+    }
+}
+
+fn apply_scrape(shared: &Shared, address: &str, seen: &mut Seen, result: Result<EngineSnapshot, reqwest::Error>) {
+    let mut router = shared.router();
+    let Some(id) = router.worker_id(address) else { return };
+    match result {
+        Err(err) => {
+            seen.failures += 1;
+            if seen.failures == FAILURES_BEFORE_DOWN {
+                warn!(worker = address, "worker marked down: metrics unreachable ({err})");
+                router.set_healthy(id, false);
+                shared.metrics.observe_worker_event("down");
+            }
+        }
+        Ok(snapshot) => {
+            if seen.failures >= FAILURES_BEFORE_DOWN {
+                info!(worker = address, "worker back up");
+                shared.metrics.observe_worker_event("up");
+            }
+            seen.failures = 0;
+            router.set_healthy(id, true);
+            if let Some(before) = &seen.last
+                && engine_metrics::restarted(before, &snapshot)
+            {
+                let dropped = router.restart(id);
+                info!(
+                    worker = address,
+                    dropped, "engine restarted or reset its cache: its blocks are forgotten"
+                );
+                shared.metrics.observe_worker_event("restart");
+            }
+            if let Some(waiting) = snapshot.waiting {
+                router.set_engine_waiting(id, waiting);
+            }
+            if let Some(tokens) = snapshot.capacity_tokens {
+                router.set_engine_capacity_tokens(id, tokens, BLOCK_BYTES);
+            }
+            seen.last = Some(snapshot);
+        }
+    }
+}
+
+/// Re-resolves `names` (HOST:PORT) every `interval`: new addresses become
+/// workers, vanished ones are removed (static workers are never touched).
+pub(crate) async fn resolve_workers(shared: Shared, names: Vec<String>, interval: Duration) {
+    let mut known: BTreeSet<SocketAddr> = BTreeSet::new();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let mut current = BTreeSet::new();
+        let mut failed = false;
+        for name in &names {
+            match tokio::net::lookup_host(name.as_str()).await {
+                Ok(addrs) => current.extend(addrs),
+                Err(err) => {
+                    warn!("cannot resolve worker name {name}: {err}; keeping the last answer");
+                    failed = true;
+                }
+            }
+        }
+        if failed {
+            continue;
+        }
+        let mut router = shared.router();
+        for addr in current.difference(&known) {
+            let id = router.add_worker(&addr.to_string());
+            info!(worker = %addr, id = id.0, "worker discovered");
+        }
+        for addr in known.difference(&current) {
+            if let Some(id) = router.worker_id(&addr.to_string()) {
+                router.remove(id);
+                info!(worker = %addr, "worker gone from DNS: removed");
+            }
+        }
+        known = current;
+    }
+}
+
+/// Ends sessions idle past their TTL, every `interval`.
+pub(crate) async fn expire_sessions(shared: Shared, interval: Duration) {
+    let mut ticker = tokio::time::interval(interval);
+    loop {
+        ticker.tick().await;
+        let ended = shared.router().expire_sessions(now_ms());
+        if ended > 0 {
+            info!(ended, "idle sessions ended");
+        }
+    }
+}

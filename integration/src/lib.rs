@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod envoy_config;
 pub mod paths;
 pub mod process;
+pub mod redis;
 pub mod workload;
 
 pub use cluster::{Cluster, ClusterOptions, Reply};

@@ -7,6 +7,7 @@ mod config;
 mod engine_metrics;
 mod metrics;
 mod service;
+mod store;
 mod watcher;
 
 use std::process::ExitCode;
@@ -61,6 +62,13 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
         settings.workers.iter().map(ToString::to_string),
     );
     let shared = Shared::new(router, Metrics::new());
+    if let Some(url) = &settings.redis {
+        let ttl = std::time::Duration::from_secs(settings.session_ttl_secs);
+        if let Some(store) = store::start(url, &settings.cluster, ttl, settings.snapshot_interval, shared.clone()).await
+        {
+            let _ = shared.store.set(store);
+        }
+    }
 
     let grpc = TcpListener::bind(settings.grpc_listen)
         .await
@@ -103,6 +111,7 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
             tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
             shutdown_signal(),
         );
+    let shared_for_shutdown = shared.clone();
     let admin_server = axum::serve(admin, admin::routes(shared)).with_graceful_shutdown(shutdown_signal());
 
     info!(
@@ -114,6 +123,10 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
     println!("kvmesh-sidecar listening grpc={grpc_addr} admin={admin_addr}");
 
     let (grpc_result, admin_result) = tokio::join!(grpc_server, async { admin_server.await });
+    if let Some(store) = shared_for_shutdown.store.get() {
+        store.write_snapshot(&shared_for_shutdown).await;
+        info!("snapshot written to redis");
+    }
     grpc_result.context("gRPC server")?;
     admin_result.context("admin server")?;
     info!("kvmesh-sidecar stopped");

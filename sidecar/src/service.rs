@@ -12,12 +12,15 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
 use crate::metrics::Metrics;
+use crate::store::{Placement, StoreHandle};
 
 /// The routing state shared by the gRPC and admin servers.
 #[derive(Debug, Clone)]
 pub(crate) struct Shared {
     router: Arc<Mutex<Router>>,
     pub(crate) metrics: Arc<Metrics>,
+    /// Set once Redis is connected (never, without `--redis`).
+    pub(crate) store: Arc<std::sync::OnceLock<StoreHandle>>,
 }
 
 impl Shared {
@@ -25,6 +28,7 @@ impl Shared {
         Self {
             router: Arc::new(Mutex::new(router)),
             metrics: Arc::new(metrics),
+            store: Arc::new(std::sync::OnceLock::new()),
         }
     }
 
@@ -98,6 +102,19 @@ impl Shared {
             destination = destinations.first().map_or("", String::as_str),
             "pick"
         );
+        if let (Some(store), Some(worker)) = (self.store.get(), destinations.first()) {
+            let full = req.block_hashes.len() - usize::from(req.last_block_partial && !req.block_hashes.is_empty());
+            let session = if req.agent_id.is_empty() {
+                &req.session_id
+            } else {
+                &req.agent_id
+            };
+            store.publish(Placement {
+                worker: worker.clone(),
+                session: session.clone(),
+                blocks: req.block_hashes[..full].to_vec(),
+            });
+        }
         self.metrics.observe_pick(
             decision.reason,
             req.block_hashes.len(),

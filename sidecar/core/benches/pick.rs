@@ -1,36 +1,99 @@
-//! Pick latency of the routing core for agent-sized requests.
+//! Pick latency of the routing core at cluster scale, and memory per index
+//! entry: `cargo bench -p kvmesh-core --bench pick` (results and goals in
+//! docs/benchmarks.md).
+//!
+//! For each (indexed entries, workers) the index is filled with sessions of
+//! 8,000 blocks spread over the workers; then picks are timed one by one
+//! (single thread, so one core) for requests shaped like an agent's next
+//! call: a cached session prefix plus 20 new blocks (a tool result). The
+//! lookup walks every cached block; the pick then places the request
+//! (re-touching its cached blocks, adding the new ones). Medians and p99
+//! over 2,000 picks per size.
 
-use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use std::time::{Duration, Instant};
+
 use kvmesh_core::{Outcome, PickInput, Router, RouterConfig};
 
-fn bench_pick(c: &mut Criterion) {
-    let mut group = c.benchmark_group("pick");
-    for blocks in [40u64, 400, 1600, 4000] {
-        let mut router = Router::new(RouterConfig::default(), (0..8).map(|i| format!("10.0.0.{i}:8000")));
-        // Eight workers, each holding other sessions' prefixes.
-        for s in 0..64u64 {
-            let hashes: Vec<u64> = (0..blocks).map(|i| (s << 32) | i).collect();
-            let d = router.pick(PickInput {
-                block_hashes: &hashes,
-                last_block_partial: false,
-                session_id: "",
-            });
-            router.report(Outcome { pick_id: d.pick_id });
-        }
-        let request: Vec<u64> = (0..blocks).map(|i| (7 << 32) | i).collect();
-        group.bench_with_input(BenchmarkId::from_parameter(blocks), &request, |b, request| {
-            b.iter(|| {
-                let d = router.pick(PickInput {
-                    block_hashes: request,
-                    last_block_partial: false,
-                    session_id: "s",
-                });
-                router.report(Outcome { pick_id: d.pick_id });
-            });
-        });
-    }
-    group.finish();
+/// splitmix64: a fixed, seeded stream of hashes.
+fn hash(seed: u64) -> u64 {
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
-criterion_group!(benches, bench_pick);
-criterion_main!(benches);
+const SESSION_BLOCKS: u64 = 8000;
+/// Blocks an agent's next call adds to its cached prefix.
+const NEW_BLOCKS: u64 = 20;
+
+fn session_blocks(session: u64, n: u64) -> Vec<u64> {
+    (0..n).map(|i| hash(session * 1_000_003 + i)).collect()
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e6
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let entry_counts: &[u64] = if quick { &[100_000] } else { &[1_000_000, 10_000_000] };
+    println!("| indexed entries | workers | request blocks | median | p99 | bytes per entry |");
+    println!("|---|---|---|---|---|---|");
+    for &entries in entry_counts {
+        for workers in [8usize, 64, 512] {
+            let sessions = entries / SESSION_BLOCKS;
+            let capacity = (entries as usize / workers) * 2;
+            let mut router = Router::new(
+                RouterConfig {
+                    worker_capacity_blocks: capacity,
+                    max_sessions: 1_000_000,
+                    ..RouterConfig::default()
+                },
+                (0..workers).map(|w| format!("10.{}.{}.{}:8000", w / 65536, (w / 256) % 256, w % 256)),
+            );
+            let addresses: Vec<String> = (0..workers)
+                .map(|w| format!("10.{}.{}.{}:8000", w / 65536, (w / 256) % 256, w % 256))
+                .collect();
+            for s in 0..sessions {
+                let blocks = session_blocks(s, SESSION_BLOCKS);
+                router.observe_placement(&addresses[(s as usize) % workers], &blocks, &format!("s{s}"), 0);
+            }
+            let index = router.index();
+            let bytes_per_entry = index.memory_bytes() as f64 / index.entries().max(1) as f64;
+            for request_blocks in [100u64, 1600, 8000] {
+                let mut took = Vec::with_capacity(2000);
+                for i in 0..2100u64 {
+                    // A cached session's blocks, extended past them.
+                    let s = hash(i) % sessions;
+                    let cached = request_blocks.saturating_sub(NEW_BLOCKS).min(SESSION_BLOCKS);
+                    let mut hashes = session_blocks(s, cached);
+                    hashes.extend((cached..request_blocks).map(|j| hash(u64::MAX - i * 100_000 - j)));
+                    let session = format!("s{s}");
+                    let started = Instant::now();
+                    let d = router.pick(PickInput {
+                        block_hashes: &hashes,
+                        block_bytes: 256,
+                        prompt_bytes: request_blocks * 256,
+                        session_id: &session,
+                        now_ms: i,
+                        ..PickInput::default()
+                    });
+                    let elapsed = started.elapsed();
+                    router.report(Outcome {
+                        pick_id: d.pick_id,
+                        ..Outcome::default()
+                    });
+                    if i >= 100 {
+                        took.push(elapsed);
+                    }
+                }
+                took.sort();
+                println!(
+                    "| {entries} | {workers} | {request_blocks} | {:.1} µs | {:.1} µs | {bytes_per_entry:.1} |",
+                    percentile(&took, 0.5),
+                    percentile(&took, 0.99)
+                );
+            }
+        }
+    }
+}

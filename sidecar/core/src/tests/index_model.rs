@@ -76,8 +76,8 @@ proptest! {
                 }
                 Op::Lookup { blocks } => {
                     index.overlaps(&blocks, &mut overlaps);
-                    for w in 0..WORKERS {
-                        prop_assert_eq!(overlaps[w], model.overlap(w, &blocks), "worker {}", w);
+                    for (w, overlap) in overlaps.iter().enumerate() {
+                        prop_assert_eq!(*overlap, model.overlap(w, &blocks), "worker {}", w);
                     }
                 }
                 Op::DropOldest { worker, count } => {

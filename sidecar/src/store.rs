@@ -1,0 +1,488 @@
+//! Shared state through Redis, for several sidecar replicas of one GPU
+//! cluster and for warm restarts. Pick never waits on it: decisions are
+//! applied in memory first and published by a background task.
+//!
+//! - Placements (worker, session, blocks) go to the stream `events`; every
+//!   replica applies the others' entries.
+//! - Session bindings are also kept as keys with the session TTL.
+//! - A periodic snapshot (and one at shutdown) plus the stream after it
+//!   restore a restarted replica.
+//! - Every key is `kvmesh:v1:<cluster>:...`.
+//!
+//! Redis down: routing goes on from memory; events wait in a bounded backlog
+//! and are published when Redis returns (a Redis that came back empty is
+//! read again from its start), so the replicas converge.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvmesh_core::Snapshot;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::streams::StreamReadReply;
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use crate::service::{Shared, now_ms};
+
+/// Events kept while Redis is unreachable; older ones are dropped first.
+const BACKLOG: usize = 100_000;
+/// Entries kept in the stream (approximately): enough for a replica that
+/// restarts between two snapshots to catch up.
+const STREAM_MAXLEN: usize = 1_000_000;
+
+/// One placement decided by this replica.
+#[derive(Debug, Clone)]
+pub(crate) struct Placement {
+    pub(crate) worker: String,
+    pub(crate) session: String,
+    pub(crate) blocks: Vec<u64>,
+}
+
+/// What the rest of the sidecar holds of the store.
+#[derive(Clone)]
+pub(crate) struct StoreHandle {
+    events: mpsc::Sender<Placement>,
+    conn: ConnectionManager,
+    keys: Arc<Keys>,
+    last_id: Arc<Mutex<String>>,
+}
+
+impl std::fmt::Debug for StoreHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreHandle")
+            .field("keys", &self.keys)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StoreHandle {
+    /// Queues a placement for publication; never waits.
+    pub(crate) fn publish(&self, placement: Placement) {
+        // Full channel: the publisher is behind (Redis slow); the placement
+        // stays in this replica's memory and the next snapshot carries it.
+        let _ = self.events.try_send(placement);
+    }
+
+    /// Writes a snapshot now (at shutdown, so a restart is warm).
+    pub(crate) async fn write_snapshot(&self, shared: &Shared) {
+        write_snapshot(&self.conn, &self.keys, shared, &self.last_id).await;
+    }
+}
+
+#[derive(Debug)]
+struct Keys {
+    events: String,
+    snapshot: String,
+    session_prefix: String,
+}
+
+impl Keys {
+    fn new(cluster: &str) -> Self {
+        let base = format!("kvmesh:v1:{cluster}:");
+        Self {
+            events: format!("{base}events"),
+            snapshot: format!("{base}snapshot"),
+            session_prefix: format!("{base}session:"),
+        }
+    }
+}
+
+/// A stream entry id, `ms-seq`, comparable.
+fn parse_id(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
+}
+
+async fn connect(url: &str, response_timeout: Duration) -> redis::RedisResult<ConnectionManager> {
+    let client = redis::Client::open(url)?;
+    let config = ConnectionManagerConfig::new()
+        .set_response_timeout(Some(response_timeout))
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_secs(1));
+    ConnectionManager::new_with_config(client, config).await
+}
+
+/// Connects, restores the latest snapshot and the stream after it into the
+/// router, and starts the publisher, reader and snapshot tasks. Returns
+/// `None` (memory only) when Redis cannot be reached at start.
+pub(crate) async fn start(
+    url: &str,
+    cluster: &str,
+    session_ttl: Duration,
+    snapshot_every: Duration,
+    shared: Shared,
+) -> Option<StoreHandle> {
+    let keys = Arc::new(Keys::new(cluster));
+    let replica = format!("{}-{}", std::process::id(), now_ms());
+    let (writer, reader) = match tokio::try_join!(
+        connect(url, Duration::from_secs(2)),
+        connect(url, Duration::from_secs(5))
+    ) {
+        Ok(pair) => pair,
+        Err(err) => {
+            warn!("redis {url} unreachable at start ({err}): state stays in memory for this run");
+            return None;
+        }
+    };
+    let last_id = Arc::new(Mutex::new(restore(&writer, &keys, &shared).await));
+    let (tx, rx) = mpsc::channel(16 * 1024);
+    tokio::spawn(publish(writer.clone(), keys.clone(), replica.clone(), session_ttl, rx));
+    tokio::spawn(read(reader, keys.clone(), replica, shared.clone(), last_id.clone()));
+    tokio::spawn(snapshots(
+        writer.clone(),
+        keys.clone(),
+        shared,
+        last_id.clone(),
+        snapshot_every,
+    ));
+    info!(cluster, "sharing state through redis");
+    Some(StoreHandle {
+        events: tx,
+        conn: writer,
+        keys,
+        last_id,
+    })
+}
+
+/// Loads the snapshot, if any; returns the stream id to read on from.
+async fn restore(conn: &ConnectionManager, keys: &Keys, shared: &Shared) -> String {
+    let mut conn = conn.clone();
+    let stored: redis::RedisResult<Option<Vec<u8>>> =
+        redis::cmd("GET").arg(&keys.snapshot).query_async(&mut conn).await;
+    match stored {
+        Ok(Some(bytes)) => match decode_snapshot(&bytes) {
+            Some((id, snapshot)) => {
+                shared.router().restore(&snapshot);
+                let blocks: usize = snapshot.workers.iter().map(|(_, b)| b.len()).sum();
+                info!(blocks, sessions = snapshot.sessions.len(), from = %id, "warm start from the redis snapshot");
+                id
+            }
+            None => {
+                warn!("the redis snapshot is unreadable: starting cold and replaying the stream");
+                "0-0".to_owned()
+            }
+        },
+        Ok(None) => "0-0".to_owned(),
+        Err(err) => {
+            warn!("cannot read the redis snapshot ({err}): replaying the stream");
+            "0-0".to_owned()
+        }
+    }
+}
+
+async fn publish(
+    mut conn: ConnectionManager,
+    keys: Arc<Keys>,
+    replica: String,
+    session_ttl: Duration,
+    mut rx: mpsc::Receiver<Placement>,
+) {
+    let mut backlog: VecDeque<Placement> = VecDeque::new();
+    let mut down = false;
+    loop {
+        // Wait for work, or retry the backlog each second while Redis is down.
+        if backlog.is_empty() {
+            match rx.recv().await {
+                Some(p) => backlog.push_back(p),
+                None => return,
+            }
+        } else if down {
+            tokio::select! {
+                received = rx.recv() => match received {
+                    Some(p) => backlog.push_back(p),
+                    None => return,
+                },
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+        while let Ok(p) = rx.try_recv() {
+            backlog.push_back(p);
+        }
+        while backlog.len() > BACKLOG {
+            backlog.pop_front();
+        }
+        let batch: Vec<Placement> = backlog.iter().take(512).cloned().collect();
+        let mut pipe = redis::pipe();
+        for p in &batch {
+            let mut blocks = Vec::with_capacity(p.blocks.len() * 8);
+            for b in &p.blocks {
+                blocks.extend_from_slice(&b.to_le_bytes());
+            }
+            pipe.cmd("XADD")
+                .arg(&keys.events)
+                .arg("MAXLEN")
+                .arg("~")
+                .arg(STREAM_MAXLEN)
+                .arg("*")
+                .arg("r")
+                .arg(&replica)
+                .arg("w")
+                .arg(&p.worker)
+                .arg("s")
+                .arg(&p.session)
+                .arg("b")
+                .arg(blocks)
+                .ignore();
+            if !p.session.is_empty() {
+                pipe.cmd("SET")
+                    .arg(format!("{}{}", keys.session_prefix, p.session))
+                    .arg(&p.worker)
+                    .arg("PX")
+                    .arg(u64::try_from(session_ttl.as_millis()).unwrap_or(u64::MAX).max(1))
+                    .ignore();
+            }
+        }
+        match pipe.query_async::<()>(&mut conn).await {
+            Ok(()) => {
+                backlog.drain(..batch.len());
+                if down {
+                    info!(
+                        pending = backlog.len(),
+                        "redis is back: publishing what was decided meanwhile"
+                    );
+                    down = false;
+                }
+            }
+            Err(err) => {
+                if !down {
+                    warn!(
+                        "redis unavailable ({err}): routing from memory, {} events held",
+                        backlog.len()
+                    );
+                    down = true;
+                }
+            }
+        }
+    }
+}
+
+async fn read(
+    mut conn: ConnectionManager,
+    keys: Arc<Keys>,
+    replica: String,
+    shared: Shared,
+    last_id: Arc<Mutex<String>>,
+) {
+    let mut failing = false;
+    loop {
+        let from = last_id.lock().map(|id| id.clone()).unwrap_or_else(|_| "0-0".to_owned());
+        let reply: redis::RedisResult<Option<StreamReadReply>> = redis::cmd("XREAD")
+            .arg("COUNT")
+            .arg(1000)
+            .arg("BLOCK")
+            .arg(1000)
+            .arg("STREAMS")
+            .arg(&keys.events)
+            .arg(&from)
+            .query_async(&mut conn)
+            .await;
+        match reply {
+            Err(_) => {
+                failing = true;
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Ok(reply) => {
+                if failing {
+                    failing = false;
+                    // A Redis that restarted empty numbers its stream from
+                    // scratch: read it again from the start.
+                    let newest: redis::RedisResult<Vec<redis::Value>> = redis::cmd("XREVRANGE")
+                        .arg(&keys.events)
+                        .arg("+")
+                        .arg("-")
+                        .arg("COUNT")
+                        .arg(1)
+                        .query_async(&mut conn)
+                        .await;
+                    let behind = match newest.ok().and_then(|v| v.into_iter().next()) {
+                        None => true,
+                        Some(entry) => newest_id(&entry).is_some_and(|id| parse_id(&id) < parse_id(&from)),
+                    };
+                    if behind {
+                        info!("the redis stream restarted: reading it from its start");
+                        if let Ok(mut id) = last_id.lock() {
+                            *id = "0-0".to_owned();
+                        }
+                        continue;
+                    }
+                }
+                let Some(reply) = reply else { continue };
+                let now = now_ms();
+                let mut router = shared.router();
+                for key in reply.keys {
+                    for entry in key.ids {
+                        let mine = entry.get::<String>("r").is_some_and(|r| r == replica);
+                        if !mine
+                            && let (Some(worker), Some(blocks)) = (entry.get::<String>("w"), entry.get::<Vec<u8>>("b"))
+                        {
+                            let session = entry.get::<String>("s").unwrap_or_default();
+                            let blocks: Vec<u64> = blocks
+                                .chunks_exact(8)
+                                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                                .collect();
+                            router.observe_placement(&worker, &blocks, &session, now);
+                        }
+                        if let Ok(mut id) = last_id.lock() {
+                            *id = entry.id;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn newest_id(entry: &redis::Value) -> Option<String> {
+    match entry {
+        redis::Value::Array(parts) => match parts.first()? {
+            redis::Value::BulkString(id) => String::from_utf8(id.clone()).ok(),
+            redis::Value::SimpleString(id) => Some(id.clone()),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+async fn snapshots(
+    conn: ConnectionManager,
+    keys: Arc<Keys>,
+    shared: Shared,
+    last_id: Arc<Mutex<String>>,
+    every: Duration,
+) {
+    let mut ticker = tokio::time::interval(every);
+    ticker.tick().await;
+    loop {
+        ticker.tick().await;
+        write_snapshot(&conn, &keys, &shared, &last_id).await;
+    }
+}
+
+/// Writes the router's state with the stream id it covers.
+async fn write_snapshot(conn: &ConnectionManager, keys: &Keys, shared: &Shared, last_id: &Mutex<String>) {
+    let id = last_id.lock().map(|id| id.clone()).unwrap_or_else(|_| "0-0".to_owned());
+    let snapshot = shared.router().snapshot();
+    let bytes = encode_snapshot(&id, &snapshot);
+    let mut conn = conn.clone();
+    let written: redis::RedisResult<()> = redis::cmd("SET")
+        .arg(&keys.snapshot)
+        .arg(bytes)
+        .query_async(&mut conn)
+        .await;
+    if let Err(err) = written {
+        warn!("cannot write the redis snapshot: {err}");
+    }
+}
+
+const MAGIC: &[u8; 6] = b"KVMS1\n";
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&u32::try_from(s.len()).unwrap_or(0).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// `MAGIC`, the stream id, then per worker its address and blocks (oldest
+/// first), then the sessions; lengths are little-endian u32.
+pub(crate) fn encode_snapshot(stream_id: &str, snapshot: &Snapshot) -> Vec<u8> {
+    let mut out = Vec::from(&MAGIC[..]);
+    put_str(&mut out, stream_id);
+    out.extend_from_slice(&u32::try_from(snapshot.workers.len()).unwrap_or(0).to_le_bytes());
+    for (address, blocks) in &snapshot.workers {
+        put_str(&mut out, address);
+        out.extend_from_slice(&u32::try_from(blocks.len()).unwrap_or(0).to_le_bytes());
+        for b in blocks {
+            out.extend_from_slice(&b.to_le_bytes());
+        }
+    }
+    out.extend_from_slice(&u32::try_from(snapshot.sessions.len()).unwrap_or(0).to_le_bytes());
+    for (session, home, seen) in &snapshot.sessions {
+        put_str(&mut out, session);
+        put_str(&mut out, home);
+        out.extend_from_slice(&seen.to_le_bytes());
+    }
+    out
+}
+
+/// Reads a snapshot back; `None` for anything malformed (never a panic:
+/// the bytes come from outside the process).
+pub(crate) fn decode_snapshot(bytes: &[u8]) -> Option<(String, Snapshot)> {
+    struct Reader<'a>(&'a [u8]);
+    impl Reader<'_> {
+        fn take(&mut self, n: usize) -> Option<&[u8]> {
+            if self.0.len() < n {
+                return None;
+            }
+            let (head, rest) = self.0.split_at(n);
+            self.0 = rest;
+            Some(head)
+        }
+        fn u32(&mut self) -> Option<usize> {
+            Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?) as usize)
+        }
+        fn u64(&mut self) -> Option<u64> {
+            Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+        }
+        fn string(&mut self) -> Option<String> {
+            let n = self.u32()?;
+            String::from_utf8(self.take(n)?.to_vec()).ok()
+        }
+    }
+    let mut r = Reader(bytes);
+    if r.take(MAGIC.len())? != MAGIC {
+        return None;
+    }
+    let id = r.string()?;
+    let mut snapshot = Snapshot::default();
+    for _ in 0..r.u32()? {
+        let address = r.string()?;
+        let n = r.u32()?;
+        // A count larger than the bytes left is malformed, not an allocation.
+        if n.checked_mul(8)? > r.0.len() {
+            return None;
+        }
+        let blocks = (0..n).map(|_| r.u64()).collect::<Option<Vec<u64>>>()?;
+        snapshot.workers.push((address, blocks));
+    }
+    for _ in 0..r.u32()? {
+        let session = r.string()?;
+        let home = r.string()?;
+        snapshot.sessions.push((session, home, r.u64()?));
+    }
+    Some((id, snapshot))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshots_round_trip_and_garbage_is_refused() {
+        let snapshot = Snapshot {
+            workers: vec![
+                ("10.0.0.1:8000".into(), vec![1, 2, u64::MAX]),
+                ("10.0.0.2:8000".into(), vec![]),
+            ],
+            sessions: vec![("s".into(), "10.0.0.1:8000".into(), 77)],
+        };
+        let bytes = encode_snapshot("123-4", &snapshot);
+        assert_eq!(decode_snapshot(&bytes), Some(("123-4".to_owned(), snapshot)));
+        for cut in 0..bytes.len() {
+            assert_eq!(decode_snapshot(&bytes[..cut]), None);
+        }
+        let mut huge = Vec::from(&MAGIC[..]);
+        put_str(&mut huge, "0-0");
+        huge.extend_from_slice(&1u32.to_le_bytes());
+        put_str(&mut huge, "w");
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(decode_snapshot(&huge), None);
+    }
+
+    #[test]
+    fn stream_ids_compare_numerically() {
+        assert!(parse_id("10-2") < parse_id("9-5").max(parse_id("10-3")));
+        assert!(parse_id("9-9") < parse_id("10-0"));
+        assert_eq!(parse_id("garbage"), (0, 0));
+    }
+}

@@ -12,6 +12,7 @@ use serde_json::Value;
 use crate::envoy_config::{self, EnvoyOverrides};
 use crate::paths::{self, Profile};
 use crate::process::Process;
+use crate::redis::RedisServer;
 
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -29,6 +30,8 @@ pub struct ClusterOptions {
     pub profile: Profile,
     /// Extra `kvmesh-sidecar` flags.
     pub sidecar_args: Vec<String>,
+    /// Start a redis-server and give it to the sidecar (`--redis`).
+    pub redis: bool,
 }
 
 impl Default for ClusterOptions {
@@ -48,6 +51,7 @@ impl Default for ClusterOptions {
                 "--scrape-interval-ms".into(),
                 "200".into(),
             ],
+            redis: false,
         }
     }
 }
@@ -100,6 +104,8 @@ pub struct Cluster {
     /// The listener without the kvmesh filter, when asked for.
     pub direct_url: Option<String>,
     pub envoy_admin: String,
+    /// The redis-server, when asked for.
+    pub redis: Option<RedisServer>,
     profile: Profile,
     sidecar_args: Vec<String>,
     http: reqwest::Client,
@@ -179,6 +185,14 @@ impl Cluster {
             workers.push(Worker { addr, process });
         }
         let addrs: Vec<SocketAddr> = workers.iter().map(|w| w.addr).collect();
+        let mut options = options;
+        let redis = if options.redis {
+            let server = RedisServer::start(&dir)?;
+            options.sidecar_args.extend(["--redis".to_owned(), server.url()]);
+            Some(server)
+        } else {
+            None
+        };
         let (sidecar, sidecar_grpc, sidecar_admin) = start_sidecar(
             &dir,
             options.profile,
@@ -244,6 +258,7 @@ impl Cluster {
             envoy_url,
             direct_url,
             envoy_admin,
+            redis,
             profile: options.profile,
             sidecar_args: options.sidecar_args.clone(),
             http,
@@ -428,6 +443,9 @@ impl Drop for Cluster {
         self.sidecar.stop();
         for worker in &mut self.workers {
             worker.process.stop();
+        }
+        if let Some(redis) = &mut self.redis {
+            let _ = redis.kill();
         }
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);

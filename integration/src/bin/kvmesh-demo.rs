@@ -8,11 +8,16 @@ use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
-    println!("kvmesh demo: starting 3 simulated workers, kvmesh-sidecar and Envoy with the kvmesh filter...");
+    println!(
+        "kvmesh demo: starting redis-server, 3 simulated workers, kvmesh-sidecar and Envoy with the kvmesh filter..."
+    );
+    let defaults = ClusterOptions::default();
     let cluster = Cluster::start(ClusterOptions {
         // Engine timing at a tenth of real time: prefill 50 µs per uncached token.
         sim_args: vec!["--time-scale".into(), "0.1".into()],
-        ..ClusterOptions::default()
+        sidecar_args: vec!["--prefill-tokens-per-ms".into(), "200".into()],
+        redis: true,
+        ..defaults
     })
     .await?;
     println!("  workers: {}", cluster.worker_names().join(", "));
@@ -20,6 +25,9 @@ async fn main() -> anyhow::Result<()> {
         "  sidecar: gRPC {}, admin http://{}",
         cluster.sidecar_grpc, cluster.sidecar_admin
     );
+    if let Some(redis) = &cluster.redis {
+        println!("  redis:   {}", redis.url());
+    }
     println!("  envoy:   {} (admin {})\n", cluster.envoy_url, cluster.envoy_admin);
 
     // Two agents at work at once: a Claude Code session and a Codex session,

@@ -71,20 +71,23 @@ pub fn understand(
     let hints = hints(headers, &envelope, config);
     let cache_salt = envelope.string("cache_salt").unwrap_or_default();
     let seed = salt(&identity.tenant, &model, &cache_salt);
-    let hashes = block_hashes(
+    let mut hashes = block_hashes(
         config.hash,
         &seed,
         &canonical.stream,
         config.block_bytes,
         config.max_blocks,
     );
+    // The stream stops where the block cap stops hashing: reaching that
+    // point is the block cap at work, even if no byte was left unhashed.
+    hashes.truncated |= canonical.stream.len() >= limit;
     Ok(Understood {
         api,
         model,
         identity,
         hints,
         hashes,
-        body_truncated: canonical.truncated,
+        body_truncated: truncated,
     })
 }
 

@@ -178,3 +178,61 @@ fn a_toml_file_configures_and_flags_override_it() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("admin_listen"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn workers_given_as_dns_names_are_resolved_and_picked() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh-sidecar"))
+        .args([
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--worker-dns",
+            "localhost:8123",
+            "--dns-interval-secs",
+            "1",
+            "--scrape-interval-ms",
+            "0",
+        ])
+        .env_remove("KVMESH_WORKERS")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let line = first_line(&mut child);
+    let admin = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("admin="))
+        .unwrap_or_else(|| panic!("no admin address in {line:?}"))
+        .to_owned();
+    // Poll the admin page (plain HTTP/1.1 over a std socket) until the
+    // resolved address shows up as a worker.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let found = loop {
+        let body = http_get(&admin, "/debug/workers");
+        if body.contains("127.0.0.1:8123") || body.contains("[::1]:8123") {
+            break true;
+        }
+        if std::time::Instant::now() > deadline {
+            break false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(found, "localhost:8123 never became a worker");
+}
+
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(addr) else {
+        return String::new();
+    };
+    let _ = write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    );
+    let mut out = String::new();
+    let _ = stream.read_to_string(&mut out);
+    out
+}

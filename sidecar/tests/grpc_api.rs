@@ -34,26 +34,28 @@ fn first_line(child: &mut Child) -> String {
     line
 }
 
-fn start() -> Sidecar {
+/// Starts the sidecar on ephemeral ports with `args`; returns it once it
+/// serves, with the value of `key=` from its ready line.
+fn spawn(args: &[&str], key: &str) -> (Child, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh-sidecar"))
-        .args([
-            "--grpc-listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--worker",
-            WORKERS,
-        ])
+        .args(["--grpc-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("KVMESH_WORKERS")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let line = first_line(&mut child);
-    let grpc = line
+    let value = line
         .split_whitespace()
-        .find_map(|w| w.strip_prefix("grpc="))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .find_map(|w| w.strip_prefix(key))
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
         .to_owned();
+    (child, value)
+}
+
+fn start() -> Sidecar {
+    let (child, grpc) = spawn(&["--worker", WORKERS], "grpc=");
     Sidecar { child, grpc }
 }
 
@@ -181,30 +183,17 @@ fn a_toml_file_configures_and_flags_override_it() {
 
 #[test]
 fn workers_given_as_dns_names_are_resolved_and_picked() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh-sidecar"))
-        .args([
-            "--grpc-listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
+    let (mut child, admin) = spawn(
+        &[
             "--worker-dns",
             "localhost:8123",
             "--dns-interval-secs",
             "1",
             "--scrape-interval-ms",
             "0",
-        ])
-        .env_remove("KVMESH_WORKERS")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let line = first_line(&mut child);
-    let admin = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("admin="))
-        .unwrap_or_else(|| panic!("no admin address in {line:?}"))
-        .to_owned();
+        ],
+        "admin=",
+    );
     // Poll the admin page (plain HTTP/1.1 over a std socket) until the
     // resolved address shows up as a worker.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

@@ -11,12 +11,7 @@ use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 async fn aborted_and_failed_requests_release_their_in_flight_slot() -> anyhow::Result<()> {
     let mut cluster = Cluster::start(ClusterOptions {
         // Real-time decode: a 2,000-token answer streams for seconds.
-        sim_args: vec![
-            "--time-scale".into(),
-            "1".into(),
-            "--decode-ms-per-token".into(),
-            "2".into(),
-        ],
+        sim_args: vec!["--time-scale".into(), "1".into(), "--decode-step-ms".into(), "2".into()],
         ..ClusterOptions::default()
     })
     .await?;

@@ -9,7 +9,7 @@ use crate::engine::Served;
 
 /// An inference API, by its path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Api {
+pub enum Api {
     Chat,
     Completions,
     Responses,
@@ -18,14 +18,14 @@ pub(crate) enum Api {
 
 /// One parsed request.
 #[derive(Debug, Clone)]
-pub(crate) struct Call {
-    pub(crate) api: Api,
-    pub(crate) model: String,
+pub struct Call {
+    pub api: Api,
+    pub model: String,
     /// The templated prompt: what the engine tokenizes and caches.
-    pub(crate) prompt: Vec<u8>,
-    pub(crate) stream: bool,
-    pub(crate) include_usage: bool,
-    pub(crate) output_tokens: u32,
+    pub prompt: Vec<u8>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub output_tokens: u32,
 }
 
 /// Text of a message content: a string, or the text of its blocks.
@@ -96,7 +96,7 @@ fn role(item: &Value, fallback: &str) -> String {
 
 impl Call {
     /// Parses a request body of `api`; the error is the engine's 400 message.
-    pub(crate) fn parse(api: Api, body: &Value, default_output_tokens: u32) -> Result<Self, String> {
+    pub fn parse(api: Api, body: &Value, default_output_tokens: u32) -> Result<Self, String> {
         let mut prompt = Vec::new();
         match api {
             Api::Chat | Api::Messages => {
@@ -154,10 +154,10 @@ impl Call {
 
 /// What the engine answers to one call.
 #[derive(Debug, Clone)]
-pub(crate) struct Reply {
-    pub(crate) call: Call,
-    pub(crate) served: Served,
-    pub(crate) text: String,
+pub struct Reply {
+    pub call: Call,
+    pub served: Served,
+    pub text: String,
 }
 
 impl Reply {
@@ -205,7 +205,7 @@ impl Reply {
     }
 
     /// The non-streamed body.
-    pub(crate) fn json(&self) -> Value {
+    pub fn json(&self) -> Value {
         let (id, model, text) = (self.id(), &self.call.model, &self.text);
         match self.call.api {
             Api::Chat => json!({"id": id, "object": "chat.completion", "model": model,
@@ -221,7 +221,7 @@ impl Reply {
     }
 
     /// Events sent once the prefill is done, before the first token.
-    pub(crate) fn sse_start(&self) -> Vec<String> {
+    pub fn sse_start(&self) -> Vec<String> {
         match self.call.api {
             Api::Chat => vec![data(
                 &self.chunk(json!({"role": "assistant", "content": ""}), Value::Null),
@@ -249,7 +249,7 @@ impl Reply {
     }
 
     /// The event of one output token.
-    pub(crate) fn sse_token(&self, token: &str) -> String {
+    pub fn sse_token(&self, token: &str) -> String {
         match self.call.api {
             Api::Chat => data(&self.chunk(json!({"content": token}), Value::Null)),
             Api::Completions => data(
@@ -270,7 +270,7 @@ impl Reply {
     }
 
     /// Events after the last token, usage included where the API puts it.
-    pub(crate) fn sse_end(&self) -> Vec<String> {
+    pub fn sse_end(&self) -> Vec<String> {
         match self.call.api {
             Api::Chat | Api::Completions => {
                 let mut events = vec![match self.call.api {

@@ -16,20 +16,20 @@ const BYTES_PER_TOKEN: u64 = 4;
 const BLOCK_BYTES: usize = (BLOCK_TOKENS * BYTES_PER_TOKEN) as usize;
 
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct EngineConfig {
-    pub(crate) capacity_tokens: u64,
+pub struct EngineConfig {
+    pub capacity_tokens: u64,
 }
 
 /// One admitted request, as the engine accounted it.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Served {
-    pub(crate) request_id: u64,
-    pub(crate) prompt_tokens: u64,
-    pub(crate) cached_tokens: u64,
+pub struct Served {
+    pub request_id: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
 }
 
 impl Served {
-    pub(crate) fn uncached_tokens(&self) -> u64 {
+    pub fn uncached_tokens(&self) -> u64 {
         self.prompt_tokens - self.cached_tokens
     }
 }
@@ -38,10 +38,12 @@ impl Served {
 const SGLANG_PAGE_SIZE: u64 = BLOCK_TOKENS;
 
 #[derive(Debug)]
-pub(crate) struct Engine {
+pub struct Engine {
     cache: Lru<[u8; 32]>,
     capacity_blocks: u64,
     running: u64,
+    /// Requests admitted and waiting for the prefill lane.
+    waiting: u64,
     /// Requests ever admitted; it numbers response ids, so it survives a
     /// restart (ids that repeat would confuse a test matching them up).
     requests: u64,
@@ -53,12 +55,13 @@ pub(crate) struct Engine {
 }
 
 impl Engine {
-    pub(crate) fn new(config: EngineConfig) -> Self {
+    pub fn new(config: EngineConfig) -> Self {
         let capacity_blocks = (config.capacity_tokens / BLOCK_TOKENS).max(1);
         Self {
             cache: Lru::new(usize::try_from(capacity_blocks).unwrap_or(usize::MAX)),
             capacity_blocks,
             running: 0,
+            waiting: 0,
             requests: 0,
             prefix_queries_tokens: 0,
             prefix_hits_tokens: 0,
@@ -71,7 +74,7 @@ impl Engine {
     /// cache, counters from zero and a new start time. Requests already
     /// running still finish here (the sim keeps their connections), so
     /// `running` is kept for them to release.
-    pub(crate) fn restart(&mut self) {
+    pub fn restart(&mut self) {
         self.cache.clear();
         self.prefix_queries_tokens = 0;
         self.prefix_hits_tokens = 0;
@@ -83,29 +86,34 @@ impl Engine {
 
     /// A cache reset without a restart (vLLM's `/reset_prefix_cache`,
     /// SGLang's `/flush_cache`): the cache empties and the counters go on.
-    pub(crate) fn reset_cache(&mut self) {
+    pub fn reset_cache(&mut self) {
         self.cache.clear();
     }
 
-    pub(crate) fn process_start_time(&self) -> f64 {
+    pub fn process_start_time(&self) -> f64 {
         self.process_start_time
     }
 
     /// Looks the prompt up in the cache, then caches all its full blocks, as
     /// vLLM's automatic prefix caching does once the prefill completes.
-    pub(crate) fn admit(&mut self, prompt: &[u8]) -> Served {
+    pub fn admit(&mut self, prompt: &[u8]) -> Served {
         let prompt_tokens = (prompt.len() as u64).div_ceil(BYTES_PER_TOKEN);
+        // Look every block up first, then cache them: touching as it goes
+        // could evict a later block of this very prompt before its lookup.
         let mut chain = [0u8; 32];
-        let mut hits = 0u64;
-        let mut still_hitting = true;
-        for block in prompt.chunks_exact(BLOCK_BYTES) {
-            chain = Sha256::new().chain_update(chain).chain_update(block).finalize().into();
-            if still_hitting && self.cache.contains(&chain) {
-                hits += 1;
-            } else {
-                still_hitting = false;
-            }
-            self.cache.touch(chain);
+        let blocks: Vec<[u8; 32]> = prompt
+            .chunks_exact(BLOCK_BYTES)
+            .map(|block| {
+                chain = Sha256::new().chain_update(chain).chain_update(block).finalize().into();
+                chain
+            })
+            .collect();
+        let hits = blocks.iter().take_while(|b| self.cache.contains(b)).count() as u64;
+        // Last block first, so the prompt's first block ends newest: like
+        // vLLM, which frees a finished request's blocks tail first, the end
+        // of a prefix is evicted before its shared beginning.
+        for block in blocks.into_iter().rev() {
+            self.cache.touch(block);
         }
         self.requests += 1;
         self.running += 1;
@@ -120,7 +128,27 @@ impl Engine {
         }
     }
 
-    pub(crate) fn finish(&mut self) {
+    /// Requests running: admitted, past the prefill queue, not finished.
+    pub fn running(&self) -> u64 {
+        self.running.saturating_sub(self.waiting)
+    }
+
+    /// Requests waiting for the prefill lane.
+    pub fn waiting(&self) -> u64 {
+        self.waiting
+    }
+
+    /// A request joins the prefill queue.
+    pub fn enqueue(&mut self) {
+        self.waiting += 1;
+    }
+
+    /// A request leaves the prefill queue (its prefill starts).
+    pub fn dequeue(&mut self) {
+        self.waiting = self.waiting.saturating_sub(1);
+    }
+
+    pub fn finish(&mut self) {
         self.running = self.running.saturating_sub(1);
     }
 
@@ -128,18 +156,19 @@ impl Engine {
         self.cache.len() as f64 / self.capacity_blocks as f64
     }
 
-    pub(crate) fn render_vllm_metrics(&self) -> String {
+    pub fn render_vllm_metrics(&self) -> String {
         let usage = self.kv_usage();
         format!(
             "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {}\n\
-             # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n\
+             # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting {}\n\
              # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {usage}\n\
              # TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total {}\n\
              # TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total {}\n\
              # TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total {}\n\
              # TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{BLOCK_TOKENS}\",num_gpu_blocks=\"{}\"}} 1\n\
              # TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}\n",
-            self.running,
+            self.running(),
+            self.waiting,
             self.prefix_queries_tokens,
             self.prefix_hits_tokens,
             self.prompt_tokens,
@@ -151,19 +180,23 @@ impl Engine {
     /// The same state under SGLang's names. SGLang's own `/metrics` has no
     /// process start time (it is in `/server_info`); the sim shows one anyway
     /// so both namings carry the same restart signal.
-    pub(crate) fn render_sglang_metrics(&self) -> String {
+    pub fn render_sglang_metrics(&self) -> String {
         let usage = self.kv_usage();
         let capacity_tokens = self.capacity_blocks * BLOCK_TOKENS;
         format!(
             "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{{model_name=\"sim\"}} {}\n\
-             # TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{{model_name=\"sim\"}} 0\n\
+             # TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{{model_name=\"sim\"}} {}\n\
              # TYPE sglang:token_usage gauge\nsglang:token_usage{{model_name=\"sim\"}} {usage}\n\
              # TYPE sglang:max_total_num_tokens gauge\nsglang:max_total_num_tokens{{model_name=\"sim\"}} {capacity_tokens}\n\
              # TYPE sglang:page_size gauge\nsglang:page_size{{model_name=\"sim\"}} {SGLANG_PAGE_SIZE}\n\
              # TYPE sglang:cached_tokens counter\nsglang:cached_tokens_total{{cache_source=\"device\",model_name=\"sim\"}} {}\n\
              # TYPE sglang:prompt_tokens counter\nsglang:prompt_tokens_total{{model_name=\"sim\"}} {}\n\
              # TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}\n",
-            self.running, self.prefix_hits_tokens, self.prompt_tokens, self.process_start_time
+            self.running(),
+            self.waiting,
+            self.prefix_hits_tokens,
+            self.prompt_tokens,
+            self.process_start_time
         )
     }
 }
@@ -174,4 +207,73 @@ fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |since_epoch| since_epoch.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `n` distinct 64-byte blocks (16 tokens each), starting from `seed`.
+    fn prompt(seed: u8, n: usize) -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| vec![seed.wrapping_add(i as u8); BLOCK_BYTES])
+            .collect()
+    }
+
+    #[test]
+    fn prefix_hits_and_lru_eviction_by_hand() {
+        // Room for 4 blocks of 16 tokens.
+        let mut engine = Engine::new(EngineConfig { capacity_tokens: 64 });
+        let a = prompt(1, 2);
+        let b = prompt(100, 3);
+        assert_eq!(engine.admit(&a).cached_tokens, 0);
+        assert_eq!(engine.admit(&a).cached_tokens, 32);
+        // B's 3 blocks need room: the oldest entry goes, which is A's second
+        // block (A's first block was touched last).
+        assert_eq!(engine.admit(&b).cached_tokens, 0);
+        assert_eq!(engine.admit(&a).cached_tokens, 16);
+        // A prompt that extends A reuses what is left of it.
+        let mut a_longer = a.clone();
+        a_longer.extend(prompt(50, 1));
+        let served = engine.admit(&a_longer);
+        assert_eq!((served.prompt_tokens, served.cached_tokens), (48, 32));
+        // A partial block is never cached: 70 bytes are 18 tokens, 1 block.
+        let odd = vec![7u8; 70];
+        engine.admit(&odd);
+        assert_eq!(engine.admit(&odd).cached_tokens, 16);
+    }
+
+    #[test]
+    fn metrics_and_usage_agree_with_what_it_did() {
+        let mut engine = Engine::new(EngineConfig { capacity_tokens: 1600 });
+        let a = prompt(1, 10);
+        let served = [engine.admit(&a), engine.admit(&a), engine.admit(&prompt(200, 5))];
+        let prompt_total: u64 = served.iter().map(|s| s.prompt_tokens).sum();
+        let cached_total: u64 = served.iter().map(|s| s.cached_tokens).sum();
+        assert_eq!((prompt_total, cached_total), (400, 160));
+        engine.finish();
+        let text = engine.render_vllm_metrics();
+        assert!(
+            text.contains(&format!("vllm:prefix_cache_queries_total {prompt_total}\n")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("vllm:prefix_cache_hits_total {cached_total}\n")),
+            "{text}"
+        );
+        assert!(text.contains("vllm:num_requests_running 2\n"), "{text}");
+        assert!(text.contains("vllm:kv_cache_usage_perc 0.15\n"), "{text}");
+        assert!(text.contains("num_gpu_blocks=\"100\""), "{text}");
+        let sglang = engine.render_sglang_metrics();
+        assert!(
+            sglang.contains(&format!(
+                "sglang:cached_tokens_total{{cache_source=\"device\",model_name=\"sim\"}} {cached_total}\n"
+            )),
+            "{sglang}"
+        );
+        engine.enqueue();
+        assert!(engine.render_vllm_metrics().contains("vllm:num_requests_waiting 1\n"));
+        engine.restart();
+        assert_eq!(engine.admit(&a).cached_tokens, 0);
+    }
 }

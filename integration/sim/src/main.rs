@@ -9,12 +9,8 @@
 //! tokens and a fixed time per output token, both scaled by `--time-scale`.
 #![forbid(unsafe_code)]
 
-mod api;
-mod engine;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -26,8 +22,9 @@ use clap::{Parser, ValueEnum};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::api::{Api, Call, Reply};
-use crate::engine::{Engine, EngineConfig, Served};
+use kvmesh_sim::api::{Api, Call, Reply};
+use kvmesh_sim::engine::{Engine, EngineConfig, Served};
+use kvmesh_sim::timing::TimingModel;
 
 /// kvmesh-sim: a simulated OpenAI-compatible GPU worker with a prefix cache.
 #[derive(Debug, Parser)]
@@ -43,12 +40,19 @@ struct Args {
     /// hundred thousand).
     #[arg(long, default_value_t = 200_000)]
     capacity_tokens: u64,
-    /// Prefill cost per uncached prompt token, in microseconds.
-    #[arg(long, default_value_t = 50.0)]
-    prefill_us_per_token: f64,
-    /// Decode cost per output token, in milliseconds.
-    #[arg(long, default_value_t = 2.0)]
-    decode_ms_per_token: f64,
+    /// Prefill throughput, uncached prompt tokens per millisecond (one H100
+    /// on a ~30B model: about 20).
+    #[arg(long, default_value_t = 20.0)]
+    prefill_tokens_per_ms: f64,
+    /// One decode step with a single running sequence, in milliseconds.
+    #[arg(long, default_value_t = 15.0)]
+    decode_step_ms: f64,
+    /// Extra decode step time per additional running sequence (fraction).
+    #[arg(long, default_value_t = 0.02)]
+    contention: f64,
+    /// Fixed time to the first token, in milliseconds.
+    #[arg(long, default_value_t = 5.0)]
+    first_token_ms: f64,
     /// Multiplies every simulated duration (0 = instant).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
@@ -67,10 +71,25 @@ enum MetricsNames {
     Sglang,
 }
 
+/// Faults injected through `POST /admin/fault`.
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct Fault {
+    /// Every duration multiplied by this (1 or absent: normal speed).
+    slow: Option<f64>,
+    /// Every inference request answered with this status, no work done.
+    error: Option<u16>,
+}
+
 #[derive(Debug, Clone)]
 struct App {
     name: Arc<str>,
     engine: Arc<Mutex<Engine>>,
+    /// Prefills run one at a time, in arrival order (tokio's mutex is
+    /// fair): the engine's prefill queue.
+    prefill_lane: Arc<tokio::sync::Mutex<()>>,
+    timing: TimingModel,
+    fault: Arc<Mutex<Fault>>,
     args: Arc<Args>,
 }
 
@@ -79,8 +98,17 @@ impl App {
         self.engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn scaled(&self, duration: Duration) -> Duration {
-        duration.mul_f64(self.args.time_scale.max(0.0))
+    fn fault(&self) -> Fault {
+        *self.fault.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The timing model with the current slow-down applied.
+    fn timing(&self) -> TimingModel {
+        let slow = self.fault().slow.unwrap_or(1.0).max(0.0);
+        TimingModel {
+            time_scale: self.timing.time_scale * slow,
+            ..self.timing
+        }
     }
 }
 
@@ -94,9 +122,19 @@ async fn main() -> anyhow::Result<()> {
     let engine = Engine::new(EngineConfig {
         capacity_tokens: args.capacity_tokens,
     });
+    let timing = TimingModel {
+        prefill_tokens_per_ms: args.prefill_tokens_per_ms,
+        decode_step_ms: args.decode_step_ms,
+        contention_per_sequence: args.contention,
+        first_token_overhead_ms: args.first_token_ms,
+        time_scale: args.time_scale,
+    };
     let app = App {
         name: name.clone(),
         engine: Arc::new(Mutex::new(engine)),
+        prefill_lane: Arc::new(tokio::sync::Mutex::new(())),
+        timing,
+        fault: Arc::new(Mutex::new(Fault::default())),
         args: Arc::new(args),
     };
     let mut routes = Router::new();
@@ -116,6 +154,7 @@ async fn main() -> anyhow::Result<()> {
         .route("/metrics", get(metrics))
         .route("/admin/restart", post(restart))
         .route("/admin/reset-cache", post(reset_cache))
+        .route("/admin/fault", post(set_fault))
         .route("/health", get(|| async { "ok" }))
         .fallback(fallback)
         .with_state(app);
@@ -167,47 +206,77 @@ async fn serve(app: App, api: Api, headers: HeaderMap, body: Bytes) -> Response 
     tag(&app, &headers, &body, response)
 }
 
+/// Waits for the prefill lane, then prefills the uncached tokens.
+async fn prefill(app: &App, uncached_tokens: u64) {
+    app.engine().enqueue();
+    let lane = app.prefill_lane.lock().await;
+    app.engine().dequeue();
+    tokio::time::sleep(app.timing().prefill(uncached_tokens)).await;
+    drop(lane);
+}
+
+/// One decode step, as long as the current batch makes it.
+async fn decode_step(app: &App) {
+    let running = app.engine().running();
+    tokio::time::sleep(app.timing().decode_step(running)).await;
+}
+
 async fn reply(app: &App, call: Call) -> Response {
+    if let Some(status) = app.fault().error {
+        return error(
+            StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+            "injected fault",
+        );
+    }
     let served: Served = app.engine().admit(&call.prompt);
-    let prefill = app.scaled(Duration::from_secs_f64(
-        served.uncached_tokens() as f64 * app.args.prefill_us_per_token / 1e6,
-    ));
-    let per_token = app.scaled(Duration::from_secs_f64(app.args.decode_ms_per_token / 1e3));
     let text = format!(
         "[{}] read {} prompt tokens, {} from cache.",
         app.name, served.prompt_tokens, served.cached_tokens
     );
     let reply = Reply { call, served, text };
     if !reply.call.stream {
-        tokio::time::sleep(prefill + per_token * reply.call.output_tokens).await;
+        prefill(app, served.uncached_tokens()).await;
+        for _ in 0..reply.call.output_tokens {
+            decode_step(app).await;
+        }
         app.engine().finish();
         return axum::Json(reply.json()).into_response();
     }
-    let engine = app.engine.clone();
+    let app = app.clone();
     let events = async_stream(move |tx| async move {
-        tokio::time::sleep(prefill).await;
+        prefill(&app, served.uncached_tokens()).await;
         for event in reply.sse_start() {
             let _ = tx.send(Bytes::from(event)).await;
         }
         let words: Vec<&str> = reply.text.split_inclusive(' ').collect();
         for i in 0..reply.call.output_tokens as usize {
-            tokio::time::sleep(per_token).await;
+            decode_step(&app).await;
             let word = words.get(i).copied().unwrap_or("");
             let _ = tx.send(Bytes::from(reply.sse_token(word))).await;
         }
         for event in reply.sse_end() {
             let _ = tx.send(Bytes::from(event)).await;
         }
-        engine
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .finish();
+        app.engine().finish();
     });
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(events))
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "stream"))
+}
+
+/// `POST /admin/fault` with `{"slow": 5}`, `{"error": 503}`, or `{}` to clear.
+async fn set_fault(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let response = match serde_json::from_slice::<Fault>(if body.is_empty() { b"{}" } else { &body }) {
+        Ok(fault) => {
+            *app.fault.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = fault;
+            tracing::info!(?fault, "fault set");
+            axum::Json(json!({"slow": fault.slow, "error": fault.error})).into_response()
+        }
+        Err(err) => error(StatusCode::BAD_REQUEST, &format!("bad fault: {err}")),
+    };
+    tag(&app, &headers, &body, response)
 }
 
 /// A byte stream fed by a task, so the response starts before the task ends.

@@ -1,0 +1,9 @@
+//! The simulated GPU worker as a library: its engine state (prefix cache,
+//! counters), its timing model, and the inference APIs it speaks. The
+//! `kvmesh-sim` server runs them in real time; the benchmark runs the same
+//! model on a virtual clock.
+#![forbid(unsafe_code)]
+
+pub mod api;
+pub mod engine;
+pub mod timing;

@@ -9,6 +9,7 @@
 
 mod overhead;
 mod pick_rtt;
+mod simulate;
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +26,8 @@ enum Command {
     FilterOverhead(overhead::Options),
     /// The sidecar's Pick round trip over gRPC, without Envoy.
     PickRtt(pick_rtt::Options),
+    /// Every routing policy on one workload, on a virtual clock.
+    Simulate(simulate::Options),
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -32,5 +35,6 @@ async fn main() -> anyhow::Result<()> {
     match Args::parse().command {
         Command::FilterOverhead(options) => overhead::run(options).await,
         Command::PickRtt(options) => pick_rtt::run(options).await,
+        Command::Simulate(options) => simulate::run(options),
     }
 }

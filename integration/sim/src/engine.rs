@@ -94,6 +94,26 @@ impl Engine {
         self.process_start_time
     }
 
+    /// Cached leading tokens of `prompt`, without touching the cache (what a
+    /// router that sees the engine's true cache would see).
+    pub fn peek_cached_tokens(&self, prompt: &[u8]) -> u64 {
+        let mut chain = [0u8; 32];
+        let mut hits = 0;
+        for block in prompt.chunks_exact(BLOCK_BYTES) {
+            chain = Sha256::new().chain_update(chain).chain_update(block).finalize().into();
+            if !self.cache.contains(&chain) {
+                break;
+            }
+            hits += 1;
+        }
+        hits * BLOCK_TOKENS
+    }
+
+    /// Blocks cached now, and the capacity in blocks.
+    pub fn cache_blocks(&self) -> (u64, u64) {
+        (self.cache.len() as u64, self.capacity_blocks)
+    }
+
     /// Looks the prompt up in the cache, then caches all its full blocks, as
     /// vLLM's automatic prefix caching does once the prefill completes.
     pub fn admit(&mut self, prompt: &[u8]) -> Served {

@@ -299,3 +299,121 @@ impl Policy for DynamoPrecise {
             .unwrap_or(0)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvmesh_request::FilterConfig;
+    use kvmesh_sim::timing::TimingModel;
+
+    use super::*;
+    use crate::simulate::trace::Request;
+    use crate::simulate::world::{World, prepare};
+
+    fn request(index: usize, session: &str, text: &str, output_tokens: u32) -> Prepared {
+        let r = Request {
+            at_ms: 0.0,
+            session: session.to_owned(),
+            parent: String::new(),
+            text: text.to_owned(),
+            output_tokens,
+        };
+        prepare(index, &r, &FilterConfig::default()).unwrap()
+    }
+
+    fn text(seed: usize, kb: usize) -> String {
+        format!("doc {seed}: ") + &format!("{seed} lorem ipsum dolor sit amet ").repeat(kb * 1024 / 28)
+    }
+
+    /// Serves `n` long requests of `kb` KB on worker `w` at time 0 (they
+    /// stay in flight).
+    fn load(world: &mut World, w: usize, n: usize, kb: usize) {
+        for i in 0..n {
+            world.serve(w, &request(10_000 + i, "", &text(900 + i, kb), 4000), 0.0);
+        }
+    }
+
+    #[test]
+    fn round_robin_cycles_and_least_loaded_avoids_load() {
+        let mut world = World::new(3, 1_000_000, TimingModel::default());
+        let r = request(0, "", "hi", 1);
+        let mut rr = RoundRobin(0);
+        let picks: Vec<usize> = (0..6).map(|_| rr.pick(&r, &world.view(0.0))).collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+        load(&mut world, 0, 2, 1);
+        load(&mut world, 1, 1, 1);
+        assert_eq!(LeastLoaded.pick(&r, &world.view(1.0)), 2);
+    }
+
+    #[test]
+    fn session_sticky_is_stable_per_session_and_spreads_sessions() {
+        let world = World::new(8, 1_000_000, TimingModel::default());
+        let mut sticky = SessionSticky(0);
+        let mut seen = std::collections::HashSet::new();
+        for s in 0..64 {
+            let r = request(s, &format!("session-{s}"), "x", 1);
+            let first = sticky.pick(&r, &world.view(0.0));
+            assert_eq!(sticky.pick(&r, &world.view(5.0)), first);
+            seen.insert(first);
+        }
+        assert_eq!(seen.len(), 8, "64 sessions should reach all 8 workers");
+    }
+
+    #[test]
+    fn sglang_follows_the_match_then_balances_past_its_thresholds() {
+        let mut world = World::new(2, 1_000_000, TimingModel::default());
+        let mut sglang = SglangCacheAware::new(2);
+        let doc = text(1, 8);
+        // First sight: both trees empty, match 0 ≤ 0.3 → the smallest tree (0).
+        assert_eq!(sglang.pick(&request(0, "", &doc, 1), &world.view(0.0)), 0);
+        // The same text again matches worker 0 above the threshold.
+        assert_eq!(sglang.pick(&request(1, "", &doc, 1), &world.view(0.0)), 0);
+        // A new text goes to the smallest tree, worker 1.
+        assert_eq!(sglang.pick(&request(2, "", &text(2, 8), 1), &world.view(0.0)), 1);
+        // 70 requests in flight on worker 0, none on 1: max − min > 64 and
+        // max > 1.5 · min → least loaded, whatever the match.
+        load(&mut world, 0, 70, 1);
+        assert_eq!(sglang.pick(&request(3, "", &doc, 1), &world.view(1.0)), 1);
+    }
+
+    #[test]
+    fn gie_weighs_prefix_three_against_queue_and_kv_two_each() {
+        // Small caches, so KV utilization tells the workers apart.
+        let mut world = World::new(2, 4096, TimingModel::default());
+        let mut gie = GieApproxPrefix::new(2);
+        let doc = text(3, 8);
+        let first = gie.pick(&request(0, "", &doc, 1), &world.view(0.0));
+        assert_eq!(first, 0);
+        // Prefix (3) beats an equal queue: back to worker 0.
+        assert_eq!(gie.pick(&request(1, "", &doc, 1), &world.view(0.0)), 0);
+        // Worker 0 holds the prefix (3) but its queue is the longest (0 of
+        // 2) and its KV nearly full (~0.3 of 2); worker 1 scores 0 + 2 + 2.
+        load(&mut world, 0, 5, 3);
+        assert_eq!(gie.pick(&request(2, "", &doc, 1), &world.view(0.5)), 1);
+    }
+
+    #[test]
+    fn dynamo_precise_sees_the_true_cache_and_ties_to_the_smallest_cache() {
+        let mut world = World::new(3, 1_000_000, TimingModel::default());
+        let doc = request(0, "", &text(5, 16), 1);
+        // Cached on worker 2 only, and finished by t = 100 s.
+        world.serve(2, &doc, 0.0);
+        let again = request(1, "", &text(5, 16), 1);
+        assert_eq!(DynamoPrecise.pick(&again, &world.view(100_000.0)), 2);
+        // A text cached nowhere: the workers with the smallest cache (0, 1).
+        let other = request(2, "", &text(6, 16), 1);
+        assert_eq!(DynamoPrecise.pick(&other, &world.view(100_000.0)), 0);
+    }
+
+    #[test]
+    fn kvmesh_returns_a_session_to_its_prefix() {
+        let mut world = World::new(4, 1_000_000, TimingModel::default());
+        let mut kvmesh = Kvmesh::new(4, 1_000_000, 20.0);
+        let base = text(7, 8);
+        let first = request(0, "agent-1", &base, 1);
+        let w = kvmesh.pick(&first, &world.view(0.0));
+        let served = world.serve(w, &first, 0.0);
+        kvmesh.completed(w, &first, served.cached_tokens, served.ttft_ms);
+        let next = request(1, "agent-1", &(base + " and one more tool result"), 1);
+        assert_eq!(kvmesh.pick(&next, &world.view(10_000.0)), w);
+    }
+}

@@ -7,6 +7,7 @@
 //! same machine noise, and the difference of their latency is the filter's.
 #![forbid(unsafe_code)]
 
+mod gen_agents;
 mod overhead;
 mod pick_rtt;
 mod simulate;
@@ -28,6 +29,8 @@ enum Command {
     PickRtt(pick_rtt::Options),
     /// Every routing policy on one workload, on a virtual clock.
     Simulate(simulate::Options),
+    /// Write a seeded workload of coding-agent sessions (text trace format).
+    GenAgents(gen_agents::Options),
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -36,5 +39,6 @@ async fn main() -> anyhow::Result<()> {
         Command::FilterOverhead(options) => overhead::run(options).await,
         Command::PickRtt(options) => pick_rtt::run(options).await,
         Command::Simulate(options) => simulate::run(options),
+        Command::GenAgents(options) => gen_agents::run(options),
     }
 }

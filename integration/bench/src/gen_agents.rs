@@ -1,0 +1,143 @@
+//! `kvmesh-bench gen-agents`: a seeded generator of coding-agent sessions
+//! in the simulator's text format (one JSON line per model call, as the
+//! tau-bench traces): a large shared system + tools prefix in a few
+//! variants, a per-session repository context, turns that each append a
+//! tool call and its result, think and tool gaps, and subagent fan-out
+//! whose children either share only the system prefix or fork the parent's
+//! whole context.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use serde_json::json;
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct Options {
+    #[arg(long, default_value_t = 32)]
+    sessions: usize,
+    /// Calls per root session.
+    #[arg(long, default_value_t = 20)]
+    turns: usize,
+    /// Subagents spawned by each root session, in one fan-out.
+    #[arg(long, default_value_t = 4)]
+    subagents: usize,
+    /// Calls per subagent.
+    #[arg(long, default_value_t = 6)]
+    subagent_turns: usize,
+    /// Distinct system prompts (harness and version mix).
+    #[arg(long, default_value_t = 3)]
+    system_variants: usize,
+    /// Mean ms between root session starts.
+    #[arg(long, default_value_t = 2000.0)]
+    arrival_ms: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Output file (stdout without it).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// xorshift64*: seeded and reproducible.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    /// Exponential with the given mean (think and tool gaps).
+    fn exp(&mut self, mean: f64) -> f64 {
+        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        -mean * (1.0 - u).max(1e-12).ln()
+    }
+}
+
+fn words(rng: &mut Rng, n: usize, vocab: &[&str]) -> String {
+    (0..n).map(|_| vocab[rng.below(vocab.len() as u64) as usize]).collect::<Vec<_>>().join(" ")
+}
+
+const CODE: &[&str] = &["fn", "let", "mut", "impl", "match", "Some(x)", "None", "self.cache", "return", "Ok(())",
+    "pub struct", "async", "await", "if", "else", "for", "in", "vec![]", "String::new()", "=>", "{", "}", ";"];
+const PROSE: &[&str] = &["the", "agent", "must", "read", "files", "before", "editing", "them", "and", "run",
+    "tests", "after", "each", "change", "keep", "diffs", "small", "explain", "why", "use", "tools"];
+
+struct Line {
+    at_ms: f64,
+    input: String,
+    output: String,
+    session: String,
+    parent: Option<String>,
+}
+
+pub(crate) fn run(o: Options) -> anyhow::Result<()> {
+    let mut rng = Rng(o.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    // Shared prefixes: system prompt and tool schemas, ~6k tokens each.
+    let systems: Vec<String> = (0..o.system_variants.max(1))
+        .map(|v| format!("<system variant {v}>\n{}\n<tools>\n{}\n", words(&mut rng, 2500, PROSE), words(&mut rng, 3500, CODE)))
+        .collect();
+    let mut lines = Vec::new();
+    let mut start = 0.0;
+    for s in 0..o.sessions {
+        start += rng.exp(o.arrival_ms);
+        let session = format!("gen-{}-{s}", o.seed);
+        let system = &systems[rng.below(systems.len() as u64) as usize];
+        let mut context = format!("{system}<repo session {s}>\n{}\n", words(&mut rng, 1500, CODE));
+        let mut at = start;
+        let fan_out_at = o.turns / 2;
+        for turn in 0..o.turns {
+            context.push_str(&format!("<user turn {turn}> {}\n", words(&mut rng, 40, PROSE)));
+            let output = format!("<tool_call read_file src/m{turn}.rs> {}", words(&mut rng, 30, PROSE));
+            lines.push(Line { at_ms: at, input: context.clone(), output: output.clone(), session: session.clone(), parent: None });
+            // Think time, then the tool's own time.
+            at += rng.exp(1500.0) + rng.exp(800.0);
+            let result_words = 300 + rng.below(600) as usize;
+            context.push_str(&format!("{output}\n<tool_result>\n{}\n", words(&mut rng, result_words, CODE)));
+            if turn == fan_out_at {
+                // Parallel subagents: half fork the whole context, half
+                // start from the system prompt with their own task.
+                for k in 0..o.subagents {
+                    let child = format!("{session}-sub{k}");
+                    let mut child_context = if k % 2 == 0 {
+                        context.clone()
+                    } else {
+                        format!("{system}<subagent task {k}> {}\n", words(&mut rng, 200, PROSE))
+                    };
+                    let mut child_at = at + rng.exp(50.0);
+                    for t in 0..o.subagent_turns {
+                        let output = format!("<tool_call grep {t}> {}", words(&mut rng, 20, PROSE));
+                        lines.push(Line {
+                            at_ms: child_at,
+                            input: child_context.clone(),
+                            output: output.clone(),
+                            session: child.clone(),
+                            parent: Some(session.clone()),
+                        });
+                        child_at += rng.exp(600.0) + rng.exp(300.0);
+                        child_context.push_str(&format!("{output}\n<tool_result>\n{}\n", words(&mut rng, 200, CODE)));
+                    }
+                }
+            }
+        }
+    }
+    lines.sort_by(|a, b| a.at_ms.total_cmp(&b.at_ms));
+    let mut out: Box<dyn Write> = match &o.out {
+        Some(path) => Box::new(std::io::BufWriter::new(std::fs::File::create(path)?)),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    for l in &lines {
+        let mut v = json!({"timestamp": (l.at_ms * 1000.0).round() as u64, "input": l.input, "output": l.output, "session_id": l.session});
+        if let Some(parent) = &l.parent {
+            v["parent_session_id"] = json!(parent);
+        }
+        writeln!(out, "{v}")?;
+    }
+    out.flush()?;
+    Ok(())
+}

@@ -10,6 +10,7 @@
 mod gen_agents;
 mod overhead;
 mod pick_rtt;
+mod replay;
 mod simulate;
 
 use clap::{Parser, Subcommand};
@@ -31,6 +32,8 @@ enum Command {
     Simulate(simulate::Options),
     /// Write a seeded workload of coding-agent sessions (text trace format).
     GenAgents(gen_agents::Options),
+    /// Send a workload as real HTTP calls, through Envoy with kvmesh.
+    Replay(replay::Options),
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -40,5 +43,6 @@ async fn main() -> anyhow::Result<()> {
         Command::PickRtt(options) => pick_rtt::run(options).await,
         Command::Simulate(options) => simulate::run(options),
         Command::GenAgents(options) => gen_agents::run(options),
+        Command::Replay(options) => replay::run(options).await,
     }
 }

@@ -4,7 +4,7 @@
 //! the `kvmesh-sim` engine model.
 
 mod policies;
-mod trace;
+pub(crate) mod trace;
 mod world;
 
 use std::cmp::Ordering;

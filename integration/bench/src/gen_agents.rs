@@ -60,13 +60,41 @@ impl Rng {
 }
 
 fn words(rng: &mut Rng, n: usize, vocab: &[&str]) -> String {
-    (0..n).map(|_| vocab[rng.below(vocab.len() as u64) as usize]).collect::<Vec<_>>().join(" ")
+    (0..n)
+        .map(|_| vocab[rng.below(vocab.len() as u64) as usize])
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
-const CODE: &[&str] = &["fn", "let", "mut", "impl", "match", "Some(x)", "None", "self.cache", "return", "Ok(())",
-    "pub struct", "async", "await", "if", "else", "for", "in", "vec![]", "String::new()", "=>", "{", "}", ";"];
-const PROSE: &[&str] = &["the", "agent", "must", "read", "files", "before", "editing", "them", "and", "run",
-    "tests", "after", "each", "change", "keep", "diffs", "small", "explain", "why", "use", "tools"];
+const CODE: &[&str] = &[
+    "fn",
+    "let",
+    "mut",
+    "impl",
+    "match",
+    "Some(x)",
+    "None",
+    "self.cache",
+    "return",
+    "Ok(())",
+    "pub struct",
+    "async",
+    "await",
+    "if",
+    "else",
+    "for",
+    "in",
+    "vec![]",
+    "String::new()",
+    "=>",
+    "{",
+    "}",
+    ";",
+];
+const PROSE: &[&str] = &[
+    "the", "agent", "must", "read", "files", "before", "editing", "them", "and", "run", "tests", "after", "each",
+    "change", "keep", "diffs", "small", "explain", "why", "use", "tools",
+];
 
 struct Line {
     at_ms: f64,
@@ -80,7 +108,13 @@ pub(crate) fn run(o: Options) -> anyhow::Result<()> {
     let mut rng = Rng(o.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     // Shared prefixes: system prompt and tool schemas, ~6k tokens each.
     let systems: Vec<String> = (0..o.system_variants.max(1))
-        .map(|v| format!("<system variant {v}>\n{}\n<tools>\n{}\n", words(&mut rng, 2500, PROSE), words(&mut rng, 3500, CODE)))
+        .map(|v| {
+            format!(
+                "<system variant {v}>\n{}\n<tools>\n{}\n",
+                words(&mut rng, 2500, PROSE),
+                words(&mut rng, 3500, CODE)
+            )
+        })
         .collect();
     let mut lines = Vec::new();
     let mut start = 0.0;
@@ -94,11 +128,20 @@ pub(crate) fn run(o: Options) -> anyhow::Result<()> {
         for turn in 0..o.turns {
             context.push_str(&format!("<user turn {turn}> {}\n", words(&mut rng, 40, PROSE)));
             let output = format!("<tool_call read_file src/m{turn}.rs> {}", words(&mut rng, 30, PROSE));
-            lines.push(Line { at_ms: at, input: context.clone(), output: output.clone(), session: session.clone(), parent: None });
+            lines.push(Line {
+                at_ms: at,
+                input: context.clone(),
+                output: output.clone(),
+                session: session.clone(),
+                parent: None,
+            });
             // Think time, then the tool's own time.
             at += rng.exp(1500.0) + rng.exp(800.0);
             let result_words = 300 + rng.below(600) as usize;
-            context.push_str(&format!("{output}\n<tool_result>\n{}\n", words(&mut rng, result_words, CODE)));
+            context.push_str(&format!(
+                "{output}\n<tool_result>\n{}\n",
+                words(&mut rng, result_words, CODE)
+            ));
             if turn == fan_out_at {
                 // Parallel subagents: half fork the whole context, half
                 // start from the system prompt with their own task.

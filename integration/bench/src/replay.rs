@@ -66,8 +66,16 @@ async fn send(client: &reqwest::Client, url: &str, r: &trace::Request) -> Result
         request = request.header("x-parent-session-id", &r.parent);
     }
     let started = Instant::now();
-    let failed = Result { ttfb_ms: 0.0, latency_ms: 0.0, prompt_tokens: 0, cached_tokens: 0, ok: false };
-    let Ok(mut response) = request.send().await else { return failed };
+    let failed = Result {
+        ttfb_ms: 0.0,
+        latency_ms: 0.0,
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        ok: false,
+    };
+    let Ok(mut response) = request.send().await else {
+        return failed;
+    };
     if !response.status().is_success() {
         return failed;
     }
@@ -88,7 +96,10 @@ async fn send(client: &reqwest::Client, url: &str, r: &trace::Request) -> Result
         ttfb_ms: ttfb.unwrap_or_default().as_secs_f64() * 1e3,
         latency_ms: started.elapsed().as_secs_f64() * 1e3,
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
-        cached_tokens: usage.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0),
+        cached_tokens: usage
+            .pointer("/prompt_tokens_details/cached_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
         ok: true,
     }
 }
@@ -127,7 +138,10 @@ pub(crate) async fn run(o: Options) -> anyhow::Result<()> {
         Some(c) => c.envoy_url.clone(),
         None => o.url.clone().unwrap_or_default(),
     };
-    let client = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(600)).build()?;
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(600))
+        .build()?;
     let requests = Arc::new(requests);
     let start = Instant::now();
     let mut tasks = Vec::new();
@@ -153,7 +167,11 @@ pub(crate) async fn run(o: Options) -> anyhow::Result<()> {
     ttfb.sort_by(f64::total_cmp);
     let mut latency: Vec<f64> = ok.iter().map(|r| r.latency_ms).collect();
     latency.sort_by(f64::total_cmp);
-    let at = |v: &[f64], p: f64| v.get(((v.len().max(1) - 1) as f64 * p) as usize).copied().unwrap_or(0.0);
+    let at = |v: &[f64], p: f64| {
+        v.get(((v.len().max(1) - 1) as f64 * p) as usize)
+            .copied()
+            .unwrap_or(0.0)
+    };
     let out = json!({
         "trace": o.trace.display().to_string(),
         "requests": results.len(),

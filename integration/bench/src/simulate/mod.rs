@@ -3,6 +3,7 @@
 //! the sidecar, each request hashed by the filter's own code; the engines are
 //! the `kvmesh-sim` engine model.
 
+mod plot;
 mod policies;
 pub(crate) mod trace;
 mod world;
@@ -95,7 +96,7 @@ fn run_policy(
     arrivals: &[f64],
     options: &Options,
     timing: TimingModel,
-) -> anyhow::Result<serde_json::Value> {
+) -> anyhow::Result<(serde_json::Value, Vec<f64>)> {
     let Some(mut policy) = policies::make(
         name,
         options.workers,
@@ -108,7 +109,11 @@ fn run_policy(
     let mut world = World::new(options.workers, options.capacity_tokens, timing);
     let mut pending: BinaryHeap<Completion> = BinaryHeap::new();
     let mut served: Vec<Served> = Vec::with_capacity(prepared.len());
-    for (r, &now) in prepared.iter().zip(arrivals) {
+    let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    for (i, (r, &now)) in prepared.iter().zip(arrivals).enumerate() {
+        if progress && (i % 256 == 0 || i + 1 == prepared.len()) {
+            eprint!("\r{name:<20} {:>5.1}%", 100.0 * (i + 1) as f64 / prepared.len() as f64);
+        }
         while pending.peek().is_some_and(|c| c.end <= now) {
             if let Some(c) = pending.pop() {
                 policy.completed(c.worker, &prepared[c.index], c.cached, c.ttft);
@@ -147,7 +152,10 @@ fn run_policy(
             same += usize::from(prev == s.worker);
         }
     }
-    Ok(json!({
+    if progress {
+        eprint!("\r{:<30}\r", "");
+    }
+    let result = json!({
         "hit_rate": cached as f64 / prompt.max(1) as f64,
         "prefill_tokens": prompt - cached,
         "ttft_p50_ms": percentile(&ttft, 0.5),
@@ -155,7 +163,8 @@ fn run_policy(
         "throughput_tok_s": output as f64 / makespan_s.max(1e-9),
         "imbalance": imbalance,
         "session_affinity": if follow_ups == 0 { serde_json::Value::Null } else { json!(same as f64 / follow_ups as f64) },
-    }))
+    });
+    Ok((result, ttft))
 }
 
 pub(crate) fn run(options: Options) -> anyhow::Result<()> {
@@ -200,6 +209,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     };
     let timing = TimingModel::default();
     let mut results = serde_json::Map::new();
+    let mut curves = Vec::new();
     println!(
         "{} requests ({format:?}), {} workers × {} tokens, speed {}, seed {}; infinite-cache hit rate {:.3}",
         prepared.len(),
@@ -214,7 +224,8 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     );
     println!("|---|---|---|---|---|---|---|---|");
     for name in &names {
-        let r = run_policy(name, &prepared, &arrivals, &options, timing)?;
+        let (r, ttft) = run_policy(name, &prepared, &arrivals, &options, timing)?;
+        curves.push((name.clone(), ttft, r["hit_rate"].as_f64().unwrap_or(0.0)));
         println!(
             "| {name} | {:.3} | {} | {:.0} ms | {:.0} ms | {:.0} | {:.2} | {} |",
             r["hit_rate"].as_f64().unwrap_or(0.0),
@@ -238,6 +249,15 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
             "policies": results,
         });
         std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
+        let title = format!(
+            "{} · {} requests · {} workers × {} tokens · speed {}",
+            options.trace.display(),
+            prepared.len(),
+            options.workers,
+            options.capacity_tokens,
+            options.speed
+        );
+        std::fs::write(path.with_extension("svg"), plot::svg(&title, &curves, bound))?;
     }
     Ok(())
 }

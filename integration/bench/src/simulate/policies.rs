@@ -345,6 +345,20 @@ mod tests {
     }
 
     #[test]
+    fn random_is_deterministic_for_a_seed_and_uses_every_worker() {
+        let world = World::new(4, 1_000_000, TimingModel::default());
+        let r = request(0, "", "x", 1);
+        let draw = |seed: u64| {
+            let mut random = Random(seed | 1);
+            (0..64).map(|_| random.pick(&r, &world.view(0.0))).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(7), draw(7));
+        assert_ne!(draw(7), draw(8));
+        let picks = draw(7);
+        assert!((0..4).all(|w| picks.contains(&w)));
+    }
+
+    #[test]
     fn session_sticky_is_stable_per_session_and_spreads_sessions() {
         let world = World::new(8, 1_000_000, TimingModel::default());
         let mut sticky = SessionSticky(0);

@@ -5,6 +5,7 @@
 
 mod plot;
 mod policies;
+mod radix;
 pub(crate) mod trace;
 mod world;
 

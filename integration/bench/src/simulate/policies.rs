@@ -7,6 +7,7 @@ use std::collections::HashMap;
 
 use kvmesh_core::{Lru, Outcome, PickInput, Router, RouterConfig};
 
+use super::radix::RadixTree;
 use super::world::{Prepared, View};
 
 /// A routing policy under simulation.
@@ -174,31 +175,27 @@ fn chunk_hashes(text: &[u8], chunk: usize, cap: usize) -> Vec<u64> {
 }
 
 /// The SGLang model gateway's cache-aware policy (sgl-router
-/// `cache_aware`): an approximate radix tree of each worker's text, here
-/// kept at 64-byte granularity (the real one is per character; the match
-/// rate differs by under one chunk per request). Defaults from its docs:
+/// `cache_aware`): one character radix tree recording which worker holds
+/// which text (each worker's share bounded by max_tree_size, 2^26, least
+/// recently used leaves evicted first). Defaults from its docs:
 /// cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5.
 /// Imbalanced (max − min load > abs and max > rel · min) → least loaded;
 /// else the best match if its rate > threshold; else the smallest tree.
 struct SglangCacheAware {
-    trees: Vec<Lru<u64>>,
+    tree: RadixTree,
 }
-
-const SGLANG_CHUNK: usize = 64;
 
 impl SglangCacheAware {
     fn new(workers: usize) -> Self {
-        // Its tree evicts least recently used leaves past a size bound
-        // (max_tree_size, default 2^26 characters).
         Self {
-            trees: (0..workers).map(|_| Lru::new((1 << 26) / SGLANG_CHUNK)).collect(),
+            tree: RadixTree::new(workers, 1 << 26),
         }
     }
 }
 
 impl Policy for SglangCacheAware {
     fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let chunks = chunk_hashes(r.text.as_bytes(), SGLANG_CHUNK, usize::MAX);
+        let text = r.text.as_bytes();
         let loads: Vec<usize> = (0..view.workers()).map(|w| view.in_flight(w)).collect();
         let (min, max) = (
             loads.iter().min().copied().unwrap_or(0),
@@ -208,26 +205,18 @@ impl Policy for SglangCacheAware {
         let chosen = if imbalanced {
             (0..view.workers()).min_by_key(|&w| (loads[w], w)).unwrap_or(0)
         } else {
-            let matched: Vec<usize> = self
-                .trees
-                .iter()
-                .map(|t| chunks.iter().take_while(|c| t.contains(c)).count())
-                .collect();
+            let matched = self.tree.matched(text);
             let best = (0..view.workers())
                 .max_by_key(|&w| (matched[w], std::cmp::Reverse(w)))
                 .unwrap_or(0);
-            let rate = matched[best] as f64 / chunks.len().max(1) as f64;
+            let rate = matched[best] as f64 / text.len().max(1) as f64;
             if rate > 0.3 {
                 best
             } else {
-                (0..view.workers())
-                    .min_by_key(|&w| (self.trees[w].len(), w))
-                    .unwrap_or(0)
+                (0..view.workers()).min_by_key(|&w| (self.tree.size(w), w)).unwrap_or(0)
             }
         };
-        for c in chunks.iter().rev() {
-            self.trees[chosen].touch(*c);
-        }
+        self.tree.insert(text, chosen);
         chosen
     }
 }

@@ -14,14 +14,12 @@ use kvmesh_integration::paths::Profile;
 use kvmesh_integration::{Cluster, ClusterOptions};
 use serde_json::{Value, json};
 
-use crate::simulate::trace::{self, Format};
+use crate::simulate::trace;
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Options {
-    #[arg(long)]
-    trace: PathBuf,
-    #[arg(long, value_enum, default_value = "auto")]
-    format: Format,
+    #[command(flatten)]
+    workload: trace::WorkloadArgs,
     /// Base URL to send to (e.g. http://127.0.0.1:10000).
     #[arg(long, conflicts_with = "local")]
     url: Option<String>,
@@ -35,14 +33,7 @@ pub(crate) struct Options {
     /// they stand for).
     #[arg(long, default_value_t = 0.1)]
     time_scale: f64,
-    #[arg(long, default_value_t = 1.0)]
-    speed: f64,
-    #[arg(long, default_value_t = 512)]
-    block_tokens: usize,
-    #[arg(long)]
-    session_spacing_ms: Option<f64>,
-    #[arg(long)]
-    limit: Option<usize>,
+    /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -105,10 +96,7 @@ async fn send(client: &reqwest::Client, url: &str, r: &trace::Request) -> Result
 }
 
 pub(crate) async fn run(o: Options) -> anyhow::Result<()> {
-    let (_, mut requests) = trace::load(&o.trace, o.format, o.block_tokens, o.speed, o.session_spacing_ms)?;
-    if let Some(limit) = o.limit {
-        requests.truncate(limit);
-    }
+    let (_, requests) = o.workload.load()?;
     let cluster = match (o.local, &o.url) {
         (Some(workers), None) => Some(
             Cluster::start(ClusterOptions {
@@ -173,7 +161,7 @@ pub(crate) async fn run(o: Options) -> anyhow::Result<()> {
             .unwrap_or(0.0)
     };
     let out = json!({
-        "trace": o.trace.display().to_string(),
+        "trace": o.workload.trace.display().to_string(),
         "requests": results.len(),
         "failed": results.len() - ok.len(),
         "hit_rate": cached as f64 / prompt.max(1) as f64,

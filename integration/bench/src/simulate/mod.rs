@@ -19,16 +19,12 @@ use kvmesh_sim::engine::{Engine, EngineConfig};
 use kvmesh_sim::timing::TimingModel;
 use serde_json::json;
 
-use self::trace::Format;
 use self::world::{Prepared, Served, World};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Options {
-    /// A trace file or directory.
-    #[arg(long)]
-    trace: PathBuf,
-    #[arg(long, value_enum, default_value = "auto")]
-    format: Format,
+    #[command(flatten)]
+    workload: trace::WorkloadArgs,
     #[arg(long, default_value_t = 8)]
     workers: usize,
     /// KV capacity per worker, in tokens.
@@ -39,20 +35,7 @@ pub(crate) struct Options {
     policies: String,
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Arrival times divided by this (2 = twice the load).
-    #[arg(long, default_value_t = 1.0)]
-    speed: f64,
-    /// Mooncake block size in tokens.
-    #[arg(long, default_value_t = 512)]
-    block_tokens: usize,
-    /// Start root sessions this many ms apart (for traces recorded one
-    /// session after another).
-    #[arg(long)]
-    session_spacing_ms: Option<f64>,
-    /// Use only the first N requests.
-    #[arg(long)]
-    limit: Option<usize>,
-    /// Write the results as JSON here.
+    /// Write the results as JSON here (and a plot beside it, as .svg).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -172,19 +155,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     if options.workers == 0 {
         bail!("--workers must be at least 1");
     }
-    let (format, mut requests) = trace::load(
-        &options.trace,
-        options.format,
-        options.block_tokens,
-        options.speed,
-        options.session_spacing_ms,
-    )?;
-    if let Some(limit) = options.limit {
-        requests.truncate(limit);
-    }
-    if requests.is_empty() {
-        bail!("{} holds no requests", options.trace.display());
-    }
+    let (format, requests) = options.workload.load()?;
     let config = FilterConfig::default();
     let prepared: Vec<Prepared> = requests
         .iter()
@@ -216,7 +187,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         prepared.len(),
         options.workers,
         options.capacity_tokens,
-        options.speed,
+        options.workload.speed,
         options.seed,
         bound
     );
@@ -243,7 +214,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     }
     if let Some(path) = &options.json {
         let out = json!({
-            "trace": options.trace.display().to_string(),
+            "trace": options.workload.trace.display().to_string(),
             "requests": prepared.len(),
             "workers": options.workers,
             "bound": {"infinite_cache_hit_rate": bound},
@@ -252,11 +223,11 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
         let title = format!(
             "{} · {} requests · {} workers × {} tokens · speed {}",
-            options.trace.display(),
+            options.workload.trace.display(),
             prepared.len(),
             options.workers,
             options.capacity_tokens,
-            options.speed
+            options.workload.speed
         );
         std::fs::write(path.with_extension("svg"), plot::svg(&title, &curves, bound))?;
     }

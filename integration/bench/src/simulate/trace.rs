@@ -145,6 +145,49 @@ fn detect(path: &Path) -> anyhow::Result<Format> {
     }
 }
 
+/// How to read a workload: the flags `simulate` and `replay` share.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct WorkloadArgs {
+    /// A trace file or directory.
+    #[arg(long)]
+    pub(crate) trace: std::path::PathBuf,
+    #[arg(long, value_enum, default_value = "auto")]
+    pub(crate) format: Format,
+    /// Arrival times divided by this (2 = twice the load).
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) speed: f64,
+    /// Mooncake block size in tokens.
+    #[arg(long, default_value_t = 512)]
+    pub(crate) block_tokens: usize,
+    /// Start root sessions this many ms apart (for traces recorded one
+    /// session after another).
+    #[arg(long)]
+    pub(crate) session_spacing_ms: Option<f64>,
+    /// Use only the first N requests.
+    #[arg(long)]
+    pub(crate) limit: Option<usize>,
+}
+
+impl WorkloadArgs {
+    /// The workload these flags describe, and its format.
+    pub(crate) fn load(&self) -> anyhow::Result<(Format, Vec<Request>)> {
+        let (format, mut requests) = load(
+            &self.trace,
+            self.format,
+            self.block_tokens,
+            self.speed,
+            self.session_spacing_ms,
+        )?;
+        if let Some(limit) = self.limit {
+            requests.truncate(limit);
+        }
+        if requests.is_empty() {
+            bail!("{} holds no requests", self.trace.display());
+        }
+        Ok((format, requests))
+    }
+}
+
 /// Loads a workload, sorted by arrival, times from 0, divided by `speed`;
 /// with `session_spacing_ms`, root sessions start that far apart (children
 /// move with their parent).

@@ -157,6 +157,9 @@ async fn main() -> anyhow::Result<()> {
         .route("/admin/fault", post(set_fault))
         .route("/health", get(|| async { "ok" }))
         .fallback(fallback)
+        // Engines take whole agent contexts (vLLM has no small body limit);
+        // axum's default of 2 MB would refuse them.
+        .layer(axum::extract::DefaultBodyLimit::max(64 * 1024 * 1024))
         .with_state(app);
     println!("kvmesh-sim {name} listening on {addr}");
     tracing::info!("kvmesh-sim {name} serving on {addr}");

@@ -45,8 +45,16 @@ struct Root {
 #[derive(Debug)]
 struct Shared {
     config: FilterConfig,
+    /// gRPC metadata for every call to the sidecar (its token), built once.
+    metadata: Vec<(&'static str, Vec<u8>)>,
     metrics: Metrics,
     streams: RefCell<Streams>,
+}
+
+impl Shared {
+    fn metadata(&self) -> Vec<(&'static str, &[u8])> {
+        self.metadata.iter().map(|(k, v)| (*k, v.as_slice())).collect()
+    }
 }
 
 impl Context for Root {
@@ -115,14 +123,16 @@ impl RootContext for Root {
                     config.sidecar_cluster, config.sidecar_timeout_ms, config.block_bytes, config.hash
                 );
                 let shared = Rc::new(Shared {
+                    metadata: config.sidecar_metadata(),
                     config,
                     metrics: Metrics::define(),
                     streams: RefCell::new(Streams::new(self.context_id)),
                 });
-                shared
-                    .streams
-                    .borrow_mut()
-                    .ensure_open(&shared.config.sidecar_cluster, self.get_current_time());
+                shared.streams.borrow_mut().ensure_open(
+                    &shared.config.sidecar_cluster,
+                    &shared.metadata,
+                    self.get_current_time(),
+                );
                 self.shared = Some(shared);
                 self.set_tick_period(TICK);
                 true
@@ -141,7 +151,7 @@ impl RootContext for Root {
         let now = self.get_current_time();
         let expired = {
             let mut streams = shared.streams.borrow_mut();
-            streams.ensure_open(&shared.config.sidecar_cluster, now);
+            streams.ensure_open(&shared.config.sidecar_cluster, &shared.metadata, now);
             streams.expired(now)
         };
         for pending in expired {
@@ -314,11 +324,12 @@ impl RequestFilter {
         self.metrics().inc(self.metrics().picks_unary);
         let message = pick.encode_to_vec();
         let cluster = self.config().sidecar_cluster.clone();
+        let shared = self.shared.clone();
         match self.dispatch_grpc_call(
             &cluster,
             method::SERVICE,
             method::PICK,
-            Vec::new(),
+            shared.metadata(),
             Some(&message),
             timeout,
         ) {
@@ -444,11 +455,12 @@ impl RequestFilter {
         // Reports are off the request path, so they may take longer than a Pick.
         let timeout = Duration::from_millis(self.config().sidecar_timeout_ms.max(1000));
         let cluster = self.config().sidecar_cluster.clone();
+        let shared = self.shared.clone();
         match self.dispatch_grpc_call(
             &cluster,
             method::SERVICE,
             method::REPORT,
-            Vec::new(),
+            shared.metadata(),
             Some(&message),
             timeout,
         ) {

@@ -116,16 +116,17 @@ impl Streams {
     /// Opens whichever stream is down, unless a recent close asks to wait.
     /// Must run in a root callback: the SDK ties a stream to the context
     /// active when it was opened.
-    pub(crate) fn ensure_open(&mut self, cluster: &str, now: SystemTime) {
+    pub(crate) fn ensure_open(&mut self, cluster: &str, metadata: &[(&'static str, Vec<u8>)], now: SystemTime) {
         if self.reopen_at.is_some_and(|at| now < at) {
             return;
         }
         self.reopen_at = None;
+        let metadata = || metadata.iter().map(|(k, v)| (*k, v.as_slice())).collect::<Vec<_>>();
         if self.pick.is_none() {
-            self.pick = hostcalls::open_grpc_stream(cluster, method::SERVICE, method::PICK_STREAM, Vec::new()).ok();
+            self.pick = hostcalls::open_grpc_stream(cluster, method::SERVICE, method::PICK_STREAM, metadata()).ok();
         }
         if self.report.is_none() {
-            self.report = hostcalls::open_grpc_stream(cluster, method::SERVICE, method::REPORT_STREAM, Vec::new()).ok();
+            self.report = hostcalls::open_grpc_stream(cluster, method::SERVICE, method::REPORT_STREAM, metadata()).ok();
         }
     }
 

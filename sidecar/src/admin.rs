@@ -9,13 +9,34 @@ use axum::routing::get;
 
 use crate::service::Shared;
 
-pub(crate) fn routes(shared: Shared) -> HttpRouter {
-    HttpRouter::new()
+pub(crate) fn routes(shared: Shared, token: Option<String>) -> HttpRouter {
+    // Probes stay open (Kubernetes cannot send a secret with them); the
+    // pages that describe the cluster need the token when one is set.
+    let guarded = HttpRouter::new()
         .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
         .route("/debug/workers", get(workers))
         .route("/debug/sessions", get(sessions))
+        .route_layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                let token = token.clone();
+                async move {
+                    if let Some(token) = token {
+                        let header = request
+                            .headers()
+                            .get(header::AUTHORIZATION)
+                            .and_then(|v| v.to_str().ok());
+                        if !crate::auth::matches(header, &token) {
+                            return (StatusCode::UNAUTHORIZED, "missing or wrong kvmesh token\n").into_response();
+                        }
+                    }
+                    next.run(request).await
+                }
+            },
+        ));
+    HttpRouter::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .merge(guarded)
         .with_state(shared)
 }
 

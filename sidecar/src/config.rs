@@ -96,6 +96,12 @@ pub(crate) struct Args {
     #[arg(long, env = "KVMESH_SNAPSHOT_INTERVAL_SECS", value_name = "SECS")]
     pub(crate) snapshot_interval_secs: Option<u64>,
 
+    /// A shared secret: when set, gRPC calls must carry
+    /// `authorization: Bearer <token>` (the filter's `sidecar_token`), and so
+    /// must the admin pages except /healthz and /readyz.
+    #[arg(long, env = "KVMESH_TOKEN", value_name = "SECRET", hide_env_values = true)]
+    pub(crate) token: Option<String>,
+
     /// Log filter, e.g. "info" or "kvmesh_sidecar=debug" [default: info].
     #[arg(long, env = "KVMESH_LOG", value_name = "FILTER")]
     pub(crate) log: Option<String>,
@@ -120,6 +126,7 @@ struct FileConfig {
     redis: Option<String>,
     cluster: Option<String>,
     snapshot_interval_secs: Option<u64>,
+    token: Option<String>,
     log: Option<String>,
 }
 
@@ -140,6 +147,7 @@ pub(crate) struct Settings {
     pub(crate) redis: Option<String>,
     pub(crate) cluster: String,
     pub(crate) snapshot_interval: std::time::Duration,
+    pub(crate) token: Option<String>,
     pub(crate) log: String,
 }
 
@@ -270,6 +278,7 @@ impl Settings {
                     .unwrap_or(30)
                     .max(1),
             ),
+            token: args.token.or(file.token).filter(|t| !t.is_empty()),
             log: args.log.or(file.log).unwrap_or_else(|| "info".to_owned()),
         })
     }

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod admin;
+mod auth;
 mod config;
 mod engine_metrics;
 mod metrics;
@@ -103,7 +104,10 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
 
     let grpc_server = tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(RouterServer::new(RouterService::new(shared.clone())))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            RouterServer::new(RouterService::new(shared.clone())),
+            auth::GrpcToken::new(settings.token.clone()),
+        ))
         .serve_with_incoming_shutdown(
             // Picks are tiny request/response exchanges: with Nagle's algorithm
             // a reply can wait out the peer's delayed ACK (tens of ms), which
@@ -112,7 +116,8 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
             shutdown_signal(),
         );
     let shared_for_shutdown = shared.clone();
-    let admin_server = axum::serve(admin, admin::routes(shared)).with_graceful_shutdown(shutdown_signal());
+    let admin_server =
+        axum::serve(admin, admin::routes(shared, settings.token.clone())).with_graceful_shutdown(shutdown_signal());
 
     info!(
         workers = settings.workers.len(),

@@ -62,6 +62,9 @@ pub struct FilterConfig {
     pub sidecar_cluster: String,
     /// How long a request may wait for a Pick before failing open.
     pub sidecar_timeout_ms: u64,
+    /// The sidecar's shared secret (its `--token`), sent as
+    /// `authorization: Bearer <token>` on every call; empty for none.
+    pub sidecar_token: String,
     /// Bytes per prefix block (256 bytes is about 64 tokens).
     pub block_bytes: usize,
     /// Most blocks hashed per request; the rest routes on what was hashed.
@@ -100,6 +103,7 @@ impl Default for FilterConfig {
         Self {
             sidecar_cluster: "kvmesh_sidecar".to_owned(),
             sidecar_timeout_ms: 50,
+            sidecar_token: String::new(),
             block_bytes: 256,
             max_blocks: 16 * 1024,
             max_body_bytes: 8 * 1024 * 1024,
@@ -149,6 +153,15 @@ fn fail(field: &str, problem: impl Into<String>) -> Result<(), ConfigError> {
 }
 
 impl FilterConfig {
+    /// gRPC metadata for calls to the sidecar (the token, if any).
+    pub fn sidecar_metadata(&self) -> Vec<(&'static str, Vec<u8>)> {
+        if self.sidecar_token.is_empty() {
+            Vec::new()
+        } else {
+            vec![("authorization", format!("Bearer {}", self.sidecar_token).into_bytes())]
+        }
+    }
+
     /// Parses and validates the plugin configuration. An empty one means defaults.
     pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
         if bytes.iter().all(u8::is_ascii_whitespace) {
@@ -169,6 +182,9 @@ impl FilterConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         if self.sidecar_cluster.trim().is_empty() {
             return fail("sidecar_cluster", "must name an Envoy cluster");
+        }
+        if self.sidecar_token.bytes().any(|b| !(0x21..=0x7e).contains(&b)) {
+            return fail("sidecar_token", "must be printable ASCII without spaces");
         }
         if !(1..=60_000).contains(&self.sidecar_timeout_ms) {
             return fail("sidecar_timeout_ms", "must be between 1 and 60000");

@@ -64,6 +64,11 @@ pub(crate) struct Args {
     #[arg(long, env = "KVMESH_WORKER_CAPACITY_BLOCKS", value_name = "N")]
     pub(crate) worker_capacity_blocks: Option<usize>,
 
+    /// Memory the prefix index may use, in MiB; past it the fullest
+    /// worker's oldest blocks are forgotten first [default: 1024].
+    #[arg(long, env = "KVMESH_INDEX_BUDGET_MB", value_name = "MIB")]
+    pub(crate) index_budget_mb: Option<usize>,
+
     /// A worker's prefill throughput in tokens per millisecond until its
     /// responses teach its own [default: 10, about an H100 on a 30B model].
     #[arg(long, env = "KVMESH_PREFILL_TOKENS_PER_MS", value_name = "N")]
@@ -119,6 +124,7 @@ struct FileConfig {
     worker_dns: Vec<String>,
     dns_interval_secs: Option<u64>,
     worker_capacity_blocks: Option<usize>,
+    index_budget_mb: Option<usize>,
     prefill_tokens_per_ms: Option<f64>,
     session_ttl_secs: Option<u64>,
     scrape_interval_ms: Option<u64>,
@@ -139,6 +145,7 @@ pub(crate) struct Settings {
     pub(crate) worker_dns: Vec<String>,
     pub(crate) dns_interval: std::time::Duration,
     pub(crate) worker_capacity_blocks: usize,
+    pub(crate) index_budget_bytes: usize,
     pub(crate) prefill_tokens_per_ms: f64,
     pub(crate) session_ttl_secs: u64,
     /// `None` when the engine watcher is off.
@@ -254,6 +261,10 @@ impl Settings {
         if worker_capacity_blocks == 0 {
             errors.push("worker_capacity_blocks must be at least 1".to_owned());
         }
+        let index_budget_mb = args.index_budget_mb.or(file.index_budget_mb).unwrap_or(1024);
+        if index_budget_mb < 4 {
+            errors.push("index_budget_mb must be at least 4".to_owned());
+        }
         if !errors.is_empty() {
             return Err(ConfigErrors(errors));
         }
@@ -266,6 +277,7 @@ impl Settings {
                 args.dns_interval_secs.or(file.dns_interval_secs).unwrap_or(10).max(1),
             ),
             worker_capacity_blocks,
+            index_budget_bytes: index_budget_mb.saturating_mul(1 << 20),
             prefill_tokens_per_ms,
             session_ttl_secs: args.session_ttl_secs.or(file.session_ttl_secs).unwrap_or(1800),
             scrape_interval: (scrape_ms > 0).then(|| std::time::Duration::from_millis(scrape_ms)),

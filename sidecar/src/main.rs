@@ -56,6 +56,7 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
     let router = Router::new(
         RouterConfig {
             worker_capacity_blocks: settings.worker_capacity_blocks,
+            index_budget_bytes: settings.index_budget_bytes,
             default_prefill_tokens_per_ms: settings.prefill_tokens_per_ms,
             session_ttl_ms: settings.session_ttl_secs.saturating_mul(1000),
             ..RouterConfig::default()
@@ -122,6 +123,7 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
     info!(
         workers = settings.workers.len(),
         capacity_blocks = settings.worker_capacity_blocks,
+        index_budget_mib = settings.index_budget_bytes >> 20,
         "kvmesh-sidecar serving gRPC on {grpc_addr}, admin HTTP on {admin_addr}"
     );
     // Machine-readable line for scripts and tests that bind port 0.

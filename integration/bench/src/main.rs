@@ -7,6 +7,7 @@
 //! same machine noise, and the difference of their latency is the filter's.
 #![forbid(unsafe_code)]
 
+mod flood;
 mod gen_agents;
 mod overhead;
 mod pick_rtt;
@@ -28,6 +29,8 @@ enum Command {
     FilterOverhead(overhead::Options),
     /// The sidecar's Pick round trip over gRPC, without Envoy.
     PickRtt(pick_rtt::Options),
+    /// Unique prefixes from concurrent clients: Pick rate and the index budget.
+    Flood(flood::Options),
     /// Every routing policy on one workload, on a virtual clock.
     Simulate(simulate::Options),
     /// Write a seeded workload of coding-agent sessions (text trace format).
@@ -41,6 +44,7 @@ async fn main() -> anyhow::Result<()> {
     match Args::parse().command {
         Command::FilterOverhead(options) => overhead::run(options).await,
         Command::PickRtt(options) => pick_rtt::run(options).await,
+        Command::Flood(options) => flood::run(options).await,
         Command::Simulate(options) => simulate::run(options),
         Command::GenAgents(options) => gen_agents::run(options),
         Command::Replay(options) => replay::run(options).await,

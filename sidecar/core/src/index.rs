@@ -141,7 +141,15 @@ pub struct PrefixIndex {
     alive: Vec<u32>,
     /// Scratch for `insert`: the request's node on the worker, per block.
     placed: Vec<u32>,
+    /// Entries allowed in all, from the operator's byte budget: past it
+    /// the fullest worker's oldest blocks go, whatever the caches hold.
+    entry_budget: Option<usize>,
 }
+
+/// Heap bytes one entry can cost at worst: its node (28 B), its hash-table
+/// slot at the lowest load factor after a doubling (about 11.5 B) and a
+/// free-list slot (4 B).
+pub(crate) const MAX_BYTES_PER_ENTRY: usize = 48;
 
 /// Table hash of a block hash: block hashes are already uniform, one
 /// multiply spreads them over the table's bits.
@@ -193,6 +201,38 @@ impl PrefixIndex {
         self.last_match.push(NIL);
         self.cursor.push(NIL);
         WorkerId(self.workers.len() - 1)
+    }
+
+    /// Bounds the index to about `bytes` of heap: one partly filled arena
+    /// chunk plus [`MAX_BYTES_PER_ENTRY`] per entry. Returns the entries
+    /// that now fit; evicts down to them at once.
+    pub fn set_byte_budget(&mut self, bytes: usize) -> usize {
+        let fixed = CHUNK * size_of::<Node>();
+        let entries = (bytes.saturating_sub(fixed) / MAX_BYTES_PER_ENTRY).max(1);
+        self.entry_budget = Some(entries);
+        self.evict_over_budget();
+        entries
+    }
+
+    /// Evicts the fullest worker's oldest blocks until the index fits its
+    /// budget: the worker holding most loses least by one block.
+    fn evict_over_budget(&mut self) -> usize {
+        let Some(budget) = self.entry_budget else { return 0 };
+        let mut evicted = 0;
+        while self.entries() > budget {
+            let fullest = self
+                .workers
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, l)| l.len)
+                .map(|(w, _)| w);
+            let Some(oldest) = fullest.map(|w| self.workers[w].oldest).filter(|&n| n != NIL) else {
+                break;
+            };
+            self.remove_node(oldest);
+            evicted += 1;
+        }
+        evicted
     }
 
     pub fn worker_count(&self) -> usize {
@@ -363,7 +403,7 @@ impl PrefixIndex {
             after = node;
         }
         self.placed = placed;
-        self.evict_over_capacity(w)
+        self.evict_over_capacity(w) + self.evict_over_budget()
     }
 
     /// Drops `worker`'s `count` oldest blocks; returns how many it dropped.

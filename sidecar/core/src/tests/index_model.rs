@@ -103,3 +103,43 @@ proptest! {
         }
     }
 }
+
+/// A flood of unique prefixes, far more than the caches' capacities allow,
+/// stays within the byte budget, and the newest prefix is still indexed.
+#[test]
+fn unique_prefix_flood_respects_the_byte_budget() {
+    let budget = 8 << 20;
+    let mut index = PrefixIndex::new();
+    let entries = index.set_byte_budget(budget);
+    let workers: Vec<WorkerId> = (0..8).map(|_| index.add_worker(usize::MAX)).collect();
+    let mut next = 1u64;
+    let mut overlaps = Vec::new();
+    for round in 0..4_000 {
+        let blocks: Vec<u64> = (next..next + 100)
+            .map(|n| n.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
+        next += 100;
+        index.insert(workers[round % workers.len()], &blocks);
+        assert!(index.entries() <= entries, "{} entries over {entries}", index.entries());
+        if round % 500 == 499 {
+            assert!(
+                index.memory_bytes() <= budget,
+                "{} B over {budget} B",
+                index.memory_bytes()
+            );
+            index.overlaps(&blocks, &mut overlaps);
+            assert_eq!(
+                overlaps[round % workers.len()],
+                blocks.len(),
+                "the newest prefix was evicted"
+            );
+        }
+    }
+    // 400,000 entries were offered; the budget kept a fraction, evenly.
+    assert!(index.entries() > entries * 9 / 10);
+    let lens: Vec<usize> = workers.iter().map(|&w| index.len(w)).collect();
+    assert!(
+        lens.iter().max().unwrap() - lens.iter().min().unwrap() <= 100,
+        "{lens:?}"
+    );
+}

@@ -57,3 +57,28 @@ bench-v8:
 bench-overhead hash="xxh3": build
     cargo build --release --locked --workspace --bins
     ./target/release/kvmesh-bench filter-overhead --hash {{hash}}
+
+# Fuzz each target for `seconds` (default 300) with cargo fuzz; new inputs join fuzz/corpus.
+fuzz seconds="300": (fuzz-each seconds "grow")
+
+# CI's bounded fuzz run: the committed corpus, then 20 s of new inputs per target.
+fuzz-smoke: (fuzz-each "20" "scratch")
+
+[private]
+fuzz-each seconds corpus:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cd fuzz
+    for target in request usage pick_report; do
+        # CI writes new inputs to a scratch directory, not the committed corpus.
+        dirs=(corpus/$target)
+        if [ "{{corpus}}" = scratch ]; then dirs=("$(mktemp -d)" corpus/$target); fi
+        log=$(mktemp)
+        if ! cargo +nightly fuzz run -O "$target" "${dirs[@]}" -- \
+            -max_total_time={{seconds}} -max_len=65536 -rss_limit_mb=1536 >"$log" 2>&1; then
+            tail -n 60 "$log"
+            echo "fuzz target $target failed; the crashing input is under fuzz/artifacts/$target" >&2
+            exit 1
+        fi
+        echo "$target: $(tail -n 1 "$log")"
+    done

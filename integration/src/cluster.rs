@@ -108,6 +108,7 @@ pub struct Cluster {
     pub redis: Option<RedisServer>,
     profile: Profile,
     sidecar_args: Vec<String>,
+    sim_args: Vec<String>,
     http: reqwest::Client,
 }
 
@@ -121,6 +122,32 @@ fn scratch_dir() -> anyhow::Result<PathBuf> {
     ));
     std::fs::create_dir_all(&dir)?;
     Ok(dir)
+}
+
+/// Starts `kvmesh-sim` number `index` on `listen` and waits for its address.
+fn spawn_worker(
+    index: usize,
+    listen: SocketAddr,
+    sim_args: &[String],
+    profile: Profile,
+    dir: &std::path::Path,
+) -> anyhow::Result<Worker> {
+    let mut args = vec!["--listen".to_owned(), listen.to_string()];
+    args.extend(sim_args.iter().cloned());
+    let mut process = Process::spawn(
+        &format!("worker{index}"),
+        &paths::binary("kvmesh-sim", profile)?,
+        &args,
+        dir,
+    )?;
+    let line = process.wait_for_line("listening on", START_TIMEOUT)?;
+    let addr = line
+        .rsplit(' ')
+        .next()
+        .unwrap_or_default()
+        .parse()
+        .with_context(|| format!("bad sim line {line:?}"))?;
+    Ok(Worker { addr, process })
 }
 
 fn addr_after(line: &str, key: &str) -> anyhow::Result<SocketAddr> {
@@ -167,22 +194,8 @@ impl Cluster {
         let dir = scratch_dir()?;
         let mut workers = Vec::new();
         for i in 0..options.workers {
-            let mut args = vec!["--listen".to_owned(), "127.0.0.1:0".to_owned()];
-            args.extend(options.sim_args.iter().cloned());
-            let mut process = Process::spawn(
-                &format!("worker{i}"),
-                &paths::binary("kvmesh-sim", options.profile)?,
-                &args,
-                &dir,
-            )?;
-            let line = process.wait_for_line("listening on", START_TIMEOUT)?;
-            let addr = line
-                .rsplit(' ')
-                .next()
-                .unwrap_or_default()
-                .parse()
-                .with_context(|| format!("bad sim line {line:?}"))?;
-            workers.push(Worker { addr, process });
+            let listen = "127.0.0.1:0".parse()?;
+            workers.push(spawn_worker(i, listen, &options.sim_args, options.profile, &dir)?);
         }
         let addrs: Vec<SocketAddr> = workers.iter().map(|w| w.addr).collect();
         let mut options = options;
@@ -261,6 +274,7 @@ impl Cluster {
             redis,
             profile: options.profile,
             sidecar_args: options.sidecar_args.clone(),
+            sim_args: options.sim_args.clone(),
             http,
         })
     }
@@ -387,6 +401,15 @@ impl Cluster {
     /// Kills the sidecar (SIGKILL) and waits for it to be gone.
     pub fn kill_sidecar(&mut self) -> anyhow::Result<()> {
         self.sidecar.kill()
+    }
+
+    /// Starts worker `index` again, a new process on its old address: its
+    /// cache starts empty, as a restarted engine's does.
+    pub fn restart_worker(&mut self, index: usize) -> anyhow::Result<()> {
+        let addr = self.workers.get(index).context("no such worker")?.addr;
+        let worker = spawn_worker(index, addr, &self.sim_args, self.profile, &self.dir)?;
+        self.workers[index] = worker;
+        Ok(())
     }
 
     /// Starts a fresh sidecar on the same gRPC address as before.

@@ -7,6 +7,7 @@
 //! same machine noise, and the difference of their latency is the filter's.
 #![forbid(unsafe_code)]
 
+mod envoy_load;
 mod flood;
 mod gen_agents;
 mod overhead;
@@ -29,6 +30,8 @@ enum Command {
     FilterOverhead(overhead::Options),
     /// The sidecar's Pick round trip over gRPC, without Envoy.
     PickRtt(pick_rtt::Options),
+    /// Sustained request rate through Envoy, with and without kvmesh.
+    EnvoyLoad(envoy_load::Options),
     /// Unique prefixes from concurrent clients: Pick rate and the index budget.
     Flood(flood::Options),
     /// Every routing policy on one workload, on a virtual clock.
@@ -45,6 +48,7 @@ async fn main() -> anyhow::Result<()> {
         Command::FilterOverhead(options) => overhead::run(options).await,
         Command::PickRtt(options) => pick_rtt::run(options).await,
         Command::Flood(options) => flood::run(options).await,
+        Command::EnvoyLoad(options) => envoy_load::run(options).await,
         Command::Simulate(options) => simulate::run(options),
         Command::GenAgents(options) => gen_agents::run(options),
         Command::Replay(options) => replay::run(options).await,

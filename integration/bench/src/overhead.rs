@@ -28,7 +28,7 @@ pub(crate) struct Options {
 
 /// An OpenAI chat body of about `bytes`: a coding agent's system prompt, then
 /// tool round trips until the size is reached.
-fn agent_body(bytes: usize) -> Vec<u8> {
+pub(crate) fn agent_body(bytes: usize) -> Vec<u8> {
     let mut messages = vec![json!({"role": "system", "content": "You are a coding agent. Use the tools. ".repeat(60)})];
     let mut size = 3000;
     let mut turn = 0;

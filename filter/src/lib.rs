@@ -502,22 +502,24 @@ impl HttpContext for RequestFilter {
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         match self.state {
-            // More body while the Pick is out (a body over the cap): keep
-            // holding it, or the request would leave without its route.
+            // The Pick is asked at end of stream, so no body follows it;
+            // should any, hold it until the route is set.
             State::AwaitingPick if !self.pick.resolved.get() => return Action::Pause,
             State::AwaitingPick | State::PassThrough => return Action::Continue,
             State::Buffering => {}
         }
-        let cap = self.config().max_body_bytes;
-        if body_size > cap {
-            // Route on the first `cap` bytes now rather than buffer a body
-            // that might outgrow Envoy's buffer limit.
-            debug!("kvmesh: body over {cap} bytes, routed on its first {cap}");
-            let head = self.get_http_request_body(0, cap).unwrap_or_default();
-            return self.ask_sidecar(&head, true);
-        }
+        // Ask only once the whole body is in: resuming while the client is
+        // still sending races Envoy's deferred continue against the next
+        // chunk, and under load the chunks reached the worker out of order.
         if !end_of_stream {
             return Action::Pause;
+        }
+        let cap = self.config().max_body_bytes;
+        if body_size > cap {
+            // Route on the first `cap` bytes; the body still goes whole.
+            debug!("kvmesh: body of {body_size} bytes over {cap}, routed on its first {cap}");
+            let head = self.get_http_request_body(0, cap).unwrap_or_default();
+            return self.ask_sidecar(&head, true);
         }
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
         self.ask_sidecar(&body, false)

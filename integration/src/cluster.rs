@@ -73,6 +73,8 @@ pub struct Reply {
     pub saw_destination: Option<String>,
     /// SHA-256 of the body the worker received.
     pub worker_body_sha256: Option<String>,
+    /// How many body bytes the worker received.
+    pub worker_body_bytes: Option<usize>,
     pub body: String,
     pub latency: Duration,
 }
@@ -308,12 +310,14 @@ impl Cluster {
         let worker = header("x-kvmesh-sim-worker");
         let saw_destination = header("x-kvmesh-sim-saw-destination");
         let worker_body_sha256 = header("x-kvmesh-sim-body-sha256");
+        let worker_body_bytes = header("x-kvmesh-sim-body-bytes").and_then(|v| v.parse().ok());
         let body = response.text().await.context("reading the reply")?;
         Ok(Reply {
             status,
             worker,
             saw_destination,
             worker_body_sha256,
+            worker_body_bytes,
             body,
             latency: started.elapsed(),
         })

@@ -94,7 +94,10 @@ fn check(case: &str, sent: &[u8], reply: &Reply, workers: &[String]) {
             assert_eq!(
                 reply.worker_body_sha256.as_deref(),
                 Some(digest.as_str()),
-                "{case}: body changed"
+                "{case}: body changed: {} bytes sent, {:?} received, status {}",
+                sent.len(),
+                reply.worker_body_bytes,
+                reply.status
             );
         }
         // Envoy itself refused it: a clear 4xx (413 too large, 431 headers).

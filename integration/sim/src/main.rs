@@ -184,6 +184,7 @@ fn tag(app: &App, request_headers: &HeaderMap, body: &[u8], mut response: Respon
     if let Ok(v) = HeaderValue::from_str(&hex::encode(Sha256::digest(body))) {
         headers.insert("x-kvmesh-sim-body-sha256", v);
     }
+    headers.insert("x-kvmesh-sim-body-bytes", HeaderValue::from(body.len()));
     if let Some(v) = request_headers.get("x-kvmesh-destination") {
         headers.insert("x-kvmesh-sim-saw-destination", v.clone());
     }

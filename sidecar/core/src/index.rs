@@ -215,22 +215,36 @@ impl PrefixIndex {
     }
 
     /// Evicts the fullest worker's oldest blocks until the index fits its
-    /// budget: the worker holding most loses least by one block.
+    /// budget: the worker holding most loses least by one block. One scan
+    /// of the workers per run of evictions, not per block: the fullest
+    /// gives blocks until it is down to the runner-up.
     fn evict_over_budget(&mut self) -> usize {
         let Some(budget) = self.entry_budget else { return 0 };
         let mut evicted = 0;
         while self.entries() > budget {
-            let fullest = self
-                .workers
-                .iter()
-                .enumerate()
-                .max_by_key(|(_, l)| l.len)
-                .map(|(w, _)| w);
-            let Some(oldest) = fullest.map(|w| self.workers[w].oldest).filter(|&n| n != NIL) else {
+            let (mut fullest, mut runner_up) = (None::<usize>, 0);
+            for (w, list) in self.workers.iter().enumerate() {
+                match fullest {
+                    Some(f) if list.len <= self.workers[f].len => runner_up = runner_up.max(list.len),
+                    _ => {
+                        runner_up = fullest.map_or(0, |f| self.workers[f].len);
+                        fullest = Some(w);
+                    }
+                }
+            }
+            let Some(w) = fullest else { break };
+            let before = evicted;
+            while self.entries() > budget && (self.workers[w].len > runner_up || evicted == before) {
+                let oldest = self.workers[w].oldest;
+                if oldest == NIL {
+                    break;
+                }
+                self.remove_node(oldest);
+                evicted += 1;
+            }
+            if evicted == before {
                 break;
-            };
-            self.remove_node(oldest);
-            evicted += 1;
+            }
         }
         evicted
     }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use kvmesh_integration::paths::Profile;
 use kvmesh_integration::{Cluster, ClusterOptions};
 
+use crate::latency::{ms, percentile};
 use crate::overhead::agent_body;
 
 #[derive(Debug, clap::Args)]
@@ -75,11 +76,7 @@ async fn run_level(url: &str, clients: usize, seconds: u64, body: &[u8]) -> anyh
     }
     let elapsed = started.elapsed().as_secs_f64();
     took.sort();
-    let at = |p: f64| {
-        took.get(((took.len().max(1) - 1) as f64 * p) as usize)
-            .copied()
-            .unwrap_or_default()
-    };
+    let at = |p: f64| percentile(&took, p);
     Ok(Level {
         rate: took.len() as f64 / elapsed,
         p50: at(0.5),
@@ -99,7 +96,6 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
     let with_filter = format!("{}/v1/chat/completions", cluster.envoy_url);
     let direct = format!("{}/v1/chat/completions", cluster.direct_url.clone().unwrap_or_default());
     let body = agent_body(options.body_kb * 1024);
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
         "| clients | req/s without | req/s with kvmesh | ratio | p50 without | p50 with | p50 added | p99 without | p99 with | p99 added | errors |"
     );

@@ -9,6 +9,8 @@ use kvmesh_integration::paths::Profile;
 use kvmesh_proto::v1::PickRequest;
 use kvmesh_proto::v1::router_client::RouterClient;
 
+use crate::latency::{percentile, us};
+
 #[derive(Debug, clap::Args)]
 pub(crate) struct Options {
     /// The sidecar's --index-budget-mb.
@@ -88,10 +90,7 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
             .and_then(|v| v.parse::<f64>().ok())
     };
     took.sort();
-    let at = |p: f64| {
-        took.get(((took.len().max(1) - 1) as f64 * p) as usize)
-            .map_or(0.0, |d| d.as_secs_f64() * 1e6)
-    };
+    let at = |p: f64| us(percentile(&took, p));
     println!(
         "| budget | clients | blocks/Pick | Picks/s | p50 | p99 | blocks offered | index entries | index bytes | peak RSS |"
     );

@@ -10,6 +10,7 @@
 mod envoy_load;
 mod flood;
 mod gen_agents;
+mod latency;
 mod overhead;
 mod pick_rtt;
 mod replay;

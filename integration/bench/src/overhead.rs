@@ -3,6 +3,8 @@
 use std::time::{Duration, Instant};
 
 use kvmesh_integration::paths::Profile;
+
+use crate::latency::{ms, percentile};
 use kvmesh_integration::{Cluster, ClusterOptions};
 use serde_json::json;
 
@@ -45,15 +47,6 @@ pub(crate) fn agent_body(bytes: usize) -> Vec<u8> {
     }
     serde_json::to_vec(&json!({"model": "qwen3-coder-30b", "messages": messages, "max_tokens": 1, "stream": false}))
         .unwrap_or_default()
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let rank = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted.get(rank).copied().unwrap_or_default()
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
 
 async fn timed_post(client: &reqwest::Client, url: &str, body: &[u8], session: &str) -> anyhow::Result<Duration> {

@@ -8,6 +8,8 @@ use kvmesh_integration::paths::Profile;
 use kvmesh_proto::v1::PickRequest;
 use kvmesh_proto::v1::router_client::RouterClient;
 
+use crate::latency::{percentile, us};
+
 #[derive(Debug, clap::Args)]
 pub(crate) struct Options {
     /// Blocks per Pick (a 10 KB body is about 40, 400 KB about 1,600).
@@ -48,7 +50,7 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
             }
         }
         took.sort();
-        let at = |p: f64| took[((took.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e6;
+        let at = |p: f64| us(percentile(&took, p));
         println!(
             "| {blocks} | {} | {:.0} µs | {:.0} µs |",
             options.requests,

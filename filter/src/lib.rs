@@ -17,7 +17,7 @@ use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
 use kvmesh_proto::{method, v1};
-use kvmesh_request::{Api, DESTINATION_HEADER, FilterConfig, Understood, UsageReader};
+use kvmesh_request::{Api, DESTINATION_HEADER, FilterConfig, Section, SectionKind, Understood, UsageReader};
 use log::{debug, info, warn};
 use prost::Message;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -257,12 +257,27 @@ impl RequestFilter {
     }
 
     fn pick_request(&self, understood: Understood) -> v1::PickRequest {
+        fn section_to_wire(section: &Section) -> v1::PromptSection {
+            let kind = match section.kind {
+                SectionKind::Tools => v1::SectionKind::Tools,
+                SectionKind::System => v1::SectionKind::System,
+                SectionKind::Message => v1::SectionKind::Message,
+                SectionKind::Other => v1::SectionKind::Other,
+            };
+            v1::PromptSection {
+                kind: kind.into(),
+                index: section.index,
+                start_byte: section.start,
+                digest: section.digest,
+            }
+        }
         let Understood {
             api,
             model,
             identity,
             hints,
             hashes,
+            sections,
             body_truncated,
         } = understood;
         v1::PickRequest {
@@ -284,6 +299,8 @@ impl RequestFilter {
             latency_sensitivity: hints.latency_sensitivity,
             api: api.name().to_owned(),
             request_id: 0,
+            harness: identity.harness.name().to_owned(),
+            sections: sections.iter().map(section_to_wire).collect(),
         }
     }
 

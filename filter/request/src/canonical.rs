@@ -14,6 +14,8 @@ use std::ops::Range;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+use xxhash_rust::xxh3::xxh3_64;
+
 use crate::scan::{self, ScanError};
 
 /// The inference APIs the filter understands. Other paths pass through.
@@ -146,10 +148,52 @@ impl<'a> Envelope<'a> {
     }
 }
 
+/// Which part of the prompt a section of the canonical stream holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SectionKind {
+    /// The tool definitions.
+    Tools,
+    /// The system prompt: Anthropic's `system`, the Responses API's
+    /// `instructions`, or a leading `system`/`developer` message.
+    System,
+    /// Message (or input item) `index` of the conversation; a completions
+    /// prompt is message 0.
+    Message,
+    /// Anything else that starts the chain (`previous_response_id`).
+    Other,
+}
+
+impl SectionKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tools => "tools",
+            Self::System => "system",
+            Self::Message => "message",
+            Self::Other => "other",
+        }
+    }
+}
+
+/// One part of the canonical stream: where it starts, and a digest of its
+/// bytes, so that two calls of a session can tell which part changed
+/// without either of them keeping any prompt text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Section {
+    pub kind: SectionKind,
+    /// The element's position in `messages` / `input` (0 for the others).
+    pub index: u32,
+    /// Byte offset of the section in the stream.
+    pub start: u64,
+    /// XXH3 of the section's bytes in the stream, low 32 bits.
+    pub digest: u32,
+}
+
 /// The canonical stream of one request.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Canonical {
     pub stream: Vec<u8>,
+    /// The parts of `stream`, in order.
+    pub sections: Vec<Section>,
     /// Parts were left out because the body was cut at the cap.
     pub truncated: bool,
 }
@@ -162,12 +206,14 @@ struct Builder<'e, 'a> {
     truncated: bool,
     /// A cut body lacks a member that the stream puts before what it has.
     unknown_order: bool,
+    /// (kind, index, start) of each part written.
+    sections: Vec<(SectionKind, u32, usize)>,
 }
 
 impl Builder<'_, '_> {
     /// Appends one part; on a cut body, a part that does not scan ends the
     /// stream (what came before it is kept).
-    fn part(&mut self, name: &[u8], value: Range<usize>) -> Result<bool, CanonicalError> {
+    fn part(&mut self, name: &[u8], kind: SectionKind, index: u32, value: Range<usize>) -> Result<bool, CanonicalError> {
         if self.out.len() >= self.limit {
             self.truncated = true;
             return Ok(false);
@@ -177,7 +223,10 @@ impl Builder<'_, '_> {
         self.out.extend_from_slice(name);
         self.out.push(FIELD);
         match scan::write_minified(self.envelope.body, value, DROPPED_KEYS, &mut self.out, self.limit) {
-            Ok(()) => Ok(true),
+            Ok(()) => {
+                self.sections.push((kind, index, mark));
+                Ok(true)
+            }
             Err(_) if self.envelope.truncated => {
                 self.out.truncate(mark);
                 self.truncated = true;
@@ -192,7 +241,15 @@ impl Builder<'_, '_> {
     /// stream cannot be known, so the stream stops being trustworthy.
     fn member(&mut self, key: &'static str) -> Result<bool, CanonicalError> {
         match self.envelope.span(key) {
-            Some(span) if &self.envelope.body[span.clone()] != b"null" => self.part(key.as_bytes(), span),
+            Some(span) if &self.envelope.body[span.clone()] != b"null" => {
+                let kind = match key {
+                    "tools" => SectionKind::Tools,
+                    "system" | "instructions" => SectionKind::System,
+                    "prompt" | "input" => SectionKind::Message,
+                    _ => SectionKind::Other,
+                };
+                self.part(key.as_bytes(), kind, 0, span)
+            }
             Some(_) => Ok(true),
             None if self.envelope.truncated => {
                 self.unknown_order = true;
@@ -219,11 +276,25 @@ impl Builder<'_, '_> {
         // than the blocks that will be hashed.
         let body = self.envelope.body;
         let mut failed = None;
-        let scanned = scan::for_each_element(body, span, |element| match self.part(b"item", element) {
-            Ok(more) => more,
-            Err(err) => {
-                failed = Some(err);
-                false
+        let mut index = 0u32;
+        // System messages lead the conversation: roles are read only until
+        // the first other one, so a long conversation is not scanned twice.
+        let mut leading = true;
+        let scanned = scan::for_each_element(body, span, |element| {
+            leading = leading && is_system_message(body, element.clone());
+            let kind = if leading {
+                SectionKind::System
+            } else {
+                SectionKind::Message
+            };
+            let written = self.part(b"item", kind, index, element);
+            index = index.saturating_add(1);
+            match written {
+                Ok(more) => more,
+                Err(err) => {
+                    failed = Some(err);
+                    false
+                }
             }
         });
         if let Some(err) = failed {
@@ -238,6 +309,18 @@ impl Builder<'_, '_> {
     }
 }
 
+/// A message whose `role` is `system` or `developer`.
+fn is_system_message(body: &[u8], element: Range<usize>) -> bool {
+    let mut system = false;
+    // A malformed element is not a system message; the minifier reports it.
+    let _ = scan::for_each_member(body, element, |key, value| {
+        if &body[key] == b"role" {
+            system = matches!(&body[value], b"\"system\"" | b"\"developer\"");
+        }
+    });
+    system
+}
+
 /// Builds the canonical stream of a request of `api`, up to `limit` bytes
 /// (what the block cap lets be hashed).
 pub fn canonical_stream(api: Api, envelope: &Envelope<'_>, limit: usize) -> Result<Canonical, CanonicalError> {
@@ -247,6 +330,7 @@ pub fn canonical_stream(api: Api, envelope: &Envelope<'_>, limit: usize) -> Resu
         out: Vec::with_capacity(envelope.body.len().min(limit)),
         truncated: false,
         unknown_order: false,
+        sections: Vec::new(),
     };
     match api {
         Api::ChatCompletions => {
@@ -284,9 +368,25 @@ pub fn canonical_stream(api: Api, envelope: &Envelope<'_>, limit: usize) -> Resu
     if b.unknown_order {
         // Better no prefix than a wrong one: the sidecar routes on the session.
         b.out.clear();
+        b.sections.clear();
     }
+    let ends = b.sections.iter().skip(1).map(|s| s.2).chain([b.out.len()]);
+    let sections = b
+        .sections
+        .iter()
+        .zip(ends)
+        .map(|(&(kind, index, start), end)| Section {
+            kind,
+            index,
+            start: start as u64,
+            // The low half of XXH3-64 is plenty to tell two versions of
+            // one part apart.
+            digest: xxh3_64(b.out.get(start..end).unwrap_or_default()) as u32,
+        })
+        .collect();
     Ok(Canonical {
         truncated: b.truncated || envelope.truncated(),
         stream: b.out,
+        sections,
     })
 }

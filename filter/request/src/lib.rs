@@ -14,10 +14,10 @@ mod identity;
 mod scan;
 mod usage;
 
-pub use canonical::{Api, Canonical, CanonicalError, Envelope, canonical_stream};
+pub use canonical::{Api, Canonical, CanonicalError, Envelope, Section, SectionKind, canonical_stream};
 pub use config::{ConfigError, DESTINATION_HEADER, FilterConfig, IdSource};
 pub use hashing::{BlockHash, BlockHashes, block_hashes, salt};
-pub use identity::{Headers, Hints, Identity, hints, identify};
+pub use identity::{Harness, Headers, Hints, Identity, hints, identify};
 pub use scan::ScanError;
 pub use usage::{Usage, UsageReader};
 
@@ -29,6 +29,9 @@ pub struct Understood {
     pub identity: Identity,
     pub hints: Hints,
     pub hashes: BlockHashes,
+    /// The parts of the canonical stream (tools, system, messages), for the
+    /// sidecar's prefix-stability diagnostics.
+    pub sections: Vec<Section>,
     /// The body was longer than the parse cap: routed on its first bytes.
     pub body_truncated: bool,
 }
@@ -87,6 +90,7 @@ pub fn understand(
         identity,
         hints,
         hashes,
+        sections: canonical.sections,
         body_truncated: truncated,
     })
 }

@@ -228,3 +228,62 @@ fn hashes_match_the_golden_file() {
         "the canonical form changed; if intended, rerun with KVMESH_BLESS=1 and upgrade all filters together"
     );
 }
+
+#[test]
+fn each_harness_is_recognised_by_its_headers() {
+    use kvmesh_request::Harness;
+    for f in fixtures() {
+        let expected = match f.name.split('_').next().unwrap() {
+            "claude" => Harness::ClaudeCode,
+            "codex" => Harness::Codex,
+            "opencode" => Harness::OpenCode,
+            // OpenClaw sends no header of its own: it says so with
+            // `x-kvmesh-harness`, or counts as other.
+            _ => Harness::Other,
+        };
+        assert_eq!(run(&f, &f.body, &f.headers).identity.harness, expected, "{}", f.name);
+        let mut declared = f.headers.clone();
+        declared.push(("X-Kvmesh-Harness".to_owned(), "openclaw".to_owned()));
+        assert_eq!(run(&f, &f.body, &declared).identity.harness, Harness::OpenClaw);
+    }
+}
+
+#[test]
+fn the_next_turn_keeps_every_section_and_a_changed_part_is_named() {
+    use kvmesh_request::SectionKind;
+    for f in fixtures() {
+        let first = run(&f, &f.body, &f.headers).sections;
+        let second = run(&f, &next_call(&f), &f.headers).sections;
+        assert!(!first.is_empty(), "{}", f.name);
+        if f.body[&f.items_key].is_array() {
+            assert_eq!(second[..first.len()], first[..], "{}: a section changed", f.name);
+            assert!(second.len() > first.len(), "{}", f.name);
+            let last = second.last().unwrap();
+            assert_eq!((last.kind, last.index as usize), (SectionKind::Message, second_items(&f) - 1));
+        }
+        let system_kind = if f.system_pointer.starts_with("/prompt") {
+            SectionKind::Message
+        } else {
+            SectionKind::System
+        };
+        let pointers = std::iter::once((&f.system_pointer, system_kind))
+            .chain(f.tools_pointer.as_ref().map(|p| (p, SectionKind::Tools)));
+        for (pointer, kind) in pointers {
+            let changed = run(&f, &with_one_byte_changed(&f.body, pointer), &f.headers).sections;
+            let at = (0..first.len())
+                .find(|&i| first[i] != changed[i])
+                .unwrap_or_else(|| panic!("{} {pointer}: no section changed", f.name));
+            assert_eq!(changed[at].kind, kind, "{} {pointer}", f.name);
+            assert_eq!(changed[at].start, first[at].start, "{} {pointer}", f.name);
+            assert!(
+                first[at + 1..] == changed[at + 1..] || f.body[&f.items_key].is_string(),
+                "{} {pointer}: later sections changed too",
+                f.name
+            );
+        }
+    }
+}
+
+fn second_items(f: &Fixture) -> usize {
+    next_call(f)[&f.items_key].as_array().unwrap().len()
+}

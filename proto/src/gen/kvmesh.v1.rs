@@ -54,6 +54,29 @@ pub struct PickRequest {
     /// Correlates a PickStream request with its reply; unused by unary Pick.
     #[prost(uint64, tag = "18")]
     pub request_id: u64,
+    /// The agent harness that sent the request: "claude_code", "codex",
+    /// "opencode", "openclaw" or "other". Any other value counts as "other".
+    #[prost(string, tag = "19")]
+    pub harness: ::prost::alloc::string::String,
+    /// The parts of the canonical stream, in order (tools, system, each
+    /// message), up to where it was hashed: where a session's prefix breaks.
+    #[prost(message, repeated, tag = "20")]
+    pub sections: ::prost::alloc::vec::Vec<PromptSection>,
+}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct PromptSection {
+    #[prost(enumeration = "SectionKind", tag = "1")]
+    pub kind: i32,
+    /// Position of the message in `messages` / `input` (0 for the others).
+    #[prost(uint32, tag = "2")]
+    pub index: u32,
+    /// Byte offset of the section in the canonical stream.
+    #[prost(uint64, tag = "3")]
+    pub start_byte: u64,
+    /// Low 32 bits of XXH3-64 over the section's bytes: tells two versions of
+    /// a part apart without carrying any of its text.
+    #[prost(fixed32, tag = "4")]
+    pub digest: u32,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PickReply {
@@ -108,6 +131,41 @@ pub struct Outcome {
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct ReportReply {}
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum SectionKind {
+    Unspecified = 0,
+    Tools = 1,
+    System = 2,
+    Message = 3,
+    Other = 4,
+}
+impl SectionKind {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "SECTION_KIND_UNSPECIFIED",
+            Self::Tools => "SECTION_KIND_TOOLS",
+            Self::System => "SECTION_KIND_SYSTEM",
+            Self::Message => "SECTION_KIND_MESSAGE",
+            Self::Other => "SECTION_KIND_OTHER",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "SECTION_KIND_UNSPECIFIED" => Some(Self::Unspecified),
+            "SECTION_KIND_TOOLS" => Some(Self::Tools),
+            "SECTION_KIND_SYSTEM" => Some(Self::System),
+            "SECTION_KIND_MESSAGE" => Some(Self::Message),
+            "SECTION_KIND_OTHER" => Some(Self::Other),
+            _ => None,
+        }
+    }
+}
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
 #[repr(i32)]
 pub enum PickReason {

@@ -5,11 +5,16 @@
 #![forbid(unsafe_code)]
 
 mod index;
+mod insight;
 mod lru;
 mod router;
 mod sessions;
 
 pub use index::PrefixIndex;
+pub use insight::{
+    BreakPoint, BreakStats, Call, FleetView, HARNESSES, InsightConfig, Insights, LabelId, MoveReason, NO_TENANT,
+    OTHER_TENANT, Placed, PromptSection, Report, Retention, SectionKind, Totals,
+};
 pub use lru::Lru;
 pub use router::{
     Decision, Outcome, PickInput, Reason, Router, RouterConfig, Snapshot, WorkerId, WorkerLoad, WorkerState, WorkerView,

@@ -309,6 +309,21 @@ pub struct Snapshot {
     pub sessions: Vec<(String, String, u64)>,
 }
 
+/// What the insight ledger reads: the figures of the latest pick.
+impl crate::FleetView for Router {
+    fn pickable(&self, worker: WorkerId) -> bool {
+        self.workers.get(worker.0).is_some_and(Self::pickable)
+    }
+
+    fn overlap(&self, worker: WorkerId) -> usize {
+        self.overlaps.get(worker.0).copied().unwrap_or(0)
+    }
+
+    fn holds(&self, worker: WorkerId, block: u64) -> bool {
+        self.index.contains(worker, block)
+    }
+}
+
 /// The routing state of one GPU cluster.
 #[derive(Debug)]
 pub struct Router {
@@ -460,6 +475,15 @@ impl Router {
     /// Ends sessions idle past the TTL.
     pub fn expire_sessions(&mut self, now_ms: u64) -> usize {
         self.sessions.expire(now_ms)
+    }
+
+    /// A worker's prefill throughput in tokens per ms: learned, else the default.
+    pub fn prefill_tokens_per_ms(&self, id: WorkerId) -> f64 {
+        self.workers
+            .get(id.0)
+            .map(|w| w.load.prefill_tokens_per_ms)
+            .filter(|rate| *rate > 0.0)
+            .unwrap_or(self.config.default_prefill_tokens_per_ms)
     }
 
     /// Bytes per token learned for `model` (else the default).

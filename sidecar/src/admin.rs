@@ -2,7 +2,7 @@
 //! view of the workers (addresses and counts only, never prompt text).
 
 use axum::Router as HttpRouter;
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
@@ -16,6 +16,8 @@ pub(crate) fn routes(shared: Shared, token: Option<String>) -> HttpRouter {
         .route("/metrics", get(metrics))
         .route("/debug/workers", get(workers))
         .route("/debug/sessions", get(sessions))
+        .route("/debug/report", get(report))
+        .route("/debug/prefix-breaks", get(prefix_breaks))
         .route_layer(axum::middleware::from_fn(
             move |request: axum::extract::Request, next: axum::middleware::Next| {
                 let token = token.clone();
@@ -41,6 +43,7 @@ pub(crate) fn routes(shared: Shared, token: Option<String>) -> HttpRouter {
 }
 
 async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
+    shared.tick_insights();
     let (workers, sessions, entries, bytes) = {
         let router = shared.router();
         let index = router.index();
@@ -81,6 +84,42 @@ async fn sessions(State(shared): State<Shared>) -> impl IntoResponse {
     let total = sessions.len();
     sessions.truncate(1000);
     axum::Json(serde_json::json!({ "count": total, "sessions": sessions }))
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct ReportQuery {
+    /// Seconds of history; one hour when absent.
+    window_secs: Option<u64>,
+}
+
+/// What agents gained over a window, per tenant and harness (`kvmesh-sidecar report`).
+async fn report(State(shared): State<Shared>, Query(query): Query<ReportQuery>) -> impl IntoResponse {
+    shared.tick_insights();
+    let window_ms = query.window_secs.unwrap_or(3600).saturating_mul(1000);
+    let report = shared.insights().report(crate::service::now_ms(), window_ms);
+    axum::Json(crate::report::to_json(&report))
+}
+
+/// Where sessions' prefixes broke since the start, most frequent first:
+/// harness, section and block positions, never prompt text.
+async fn prefix_breaks(State(shared): State<Shared>) -> impl IntoResponse {
+    let points: Vec<serde_json::Value> = shared
+        .insights()
+        .break_points()
+        .into_iter()
+        .take(100)
+        .map(|(point, stats)| {
+            serde_json::json!({
+                "harness": kvmesh_core::Insights::harness_name(point.harness),
+                "section": point.kind.as_str(),
+                "index": point.index,
+                "count": stats.count,
+                "first_block_min": stats.first_block_min,
+                "first_block_max": stats.first_block_max,
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "break_points": points }))
 }
 
 /// Ready once at least one worker may be picked.

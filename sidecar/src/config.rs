@@ -20,8 +20,11 @@ pub(crate) const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9902";
 /// underscores). Flags win over the environment, which wins over the file.
 /// Ports may be 0; the bound addresses are printed on stdout.
 #[derive(Debug, Parser)]
-#[command(name = "kvmesh-sidecar", version, about, long_about)]
+#[command(name = "kvmesh-sidecar", version, about, long_about, args_conflicts_with_subcommands = true)]
 pub(crate) struct Args {
+    #[command(subcommand)]
+    pub(crate) command: Option<Command>,
+
     /// TOML configuration file.
     #[arg(long, env = "KVMESH_CONFIG", value_name = "FILE")]
     pub(crate) config: Option<PathBuf>,
@@ -107,9 +110,68 @@ pub(crate) struct Args {
     #[arg(long, env = "KVMESH_TOKEN", value_name = "SECRET", hide_env_values = true)]
     pub(crate) token: Option<String>,
 
+    /// KV-cache bytes one token holds on a GPU, for the retention cost of
+    /// idle sessions: 2 × layers × KV heads × head size × bytes per value
+    /// [default: 98304, a 48-layer model with 4 KV heads of 128 in bf16].
+    #[arg(long, env = "KVMESH_KV_BYTES_PER_TOKEN", value_name = "BYTES")]
+    pub(crate) kv_bytes_per_token: Option<f64>,
+
+    /// Tenants given their own metric label; later ones are labelled
+    /// "other" [default: 16].
+    #[arg(long, env = "KVMESH_TENANT_LABELS", value_name = "N")]
+    pub(crate) tenant_labels: Option<usize>,
+
     /// Log filter, e.g. "info" or "kvmesh_sidecar=debug" [default: info].
     #[arg(long, env = "KVMESH_LOG", value_name = "FILTER")]
     pub(crate) log: Option<String>,
+}
+
+/// Commands other than serving.
+#[derive(Debug, clap::Subcommand)]
+pub(crate) enum Command {
+    /// Print what agents gained over a window, per tenant and harness:
+    /// tokens computed and reused, the GPU time saved, the cost of keeping
+    /// idle sessions warm, and the top prefix breakers. Reads a running
+    /// sidecar's admin port.
+    Report(ReportArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct ReportArgs {
+    /// Admin URL of the sidecar.
+    #[arg(long, env = "KVMESH_ADMIN_URL", default_value = "http://127.0.0.1:9902", value_name = "URL")]
+    pub(crate) admin: String,
+
+    /// The window: seconds, or a number with s, m, h or d.
+    #[arg(long, default_value = "1h", value_parser = parse_window, value_name = "DURATION")]
+    pub(crate) window: std::time::Duration,
+
+    /// The sidecar's --token, if it has one.
+    #[arg(long, env = "KVMESH_TOKEN", value_name = "SECRET", hide_env_values = true)]
+    pub(crate) token: Option<String>,
+
+    /// Print the report as JSON instead of tables.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// "90", "90s", "15m", "1h", "2d".
+pub(crate) fn parse_window(text: &str) -> Result<std::time::Duration, String> {
+    let text = text.trim();
+    let (number, unit) = text
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((text, ""), |at| text.split_at(at));
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration such as 90s, 15m, 1h or 2d"))?;
+    let seconds = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{text:?}: the unit must be s, m, h or d")),
+    };
+    Ok(std::time::Duration::from_secs(n.saturating_mul(seconds)))
 }
 
 /// The TOML file: the same settings as the flags.
@@ -133,6 +195,8 @@ struct FileConfig {
     cluster: Option<String>,
     snapshot_interval_secs: Option<u64>,
     token: Option<String>,
+    kv_bytes_per_token: Option<f64>,
+    tenant_labels: Option<usize>,
     log: Option<String>,
 }
 
@@ -155,6 +219,8 @@ pub(crate) struct Settings {
     pub(crate) cluster: String,
     pub(crate) snapshot_interval: std::time::Duration,
     pub(crate) token: Option<String>,
+    pub(crate) kv_bytes_per_token: f64,
+    pub(crate) tenant_labels: usize,
     pub(crate) log: String,
 }
 
@@ -265,6 +331,17 @@ impl Settings {
         if index_budget_mb < 4 {
             errors.push("index_budget_mb must be at least 4".to_owned());
         }
+        let kv_bytes_per_token = args
+            .kv_bytes_per_token
+            .or(file.kv_bytes_per_token)
+            .unwrap_or(98_304.0);
+        if !(kv_bytes_per_token.is_finite() && kv_bytes_per_token > 0.0) {
+            errors.push("kv_bytes_per_token must be a positive number".to_owned());
+        }
+        let tenant_labels = args.tenant_labels.or(file.tenant_labels).unwrap_or(16);
+        if tenant_labels > 1000 {
+            errors.push("tenant_labels must be at most 1000 (each is a metric series per harness)".to_owned());
+        }
         if !errors.is_empty() {
             return Err(ConfigErrors(errors));
         }
@@ -291,6 +368,8 @@ impl Settings {
                     .max(1),
             ),
             token: args.token.or(file.token).filter(|t| !t.is_empty()),
+            kv_bytes_per_token,
+            tenant_labels,
             log: args.log.or(file.log).unwrap_or_else(|| "info".to_owned()),
         })
     }

@@ -7,6 +7,7 @@ mod auth;
 mod config;
 mod engine_metrics;
 mod metrics;
+mod report;
 mod service;
 mod store;
 mod watcher;
@@ -15,7 +16,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use kvmesh_core::{Router, RouterConfig};
+use kvmesh_core::{InsightConfig, Insights, Router, RouterConfig};
 use kvmesh_proto::v1::router_server::RouterServer;
 use tokio::net::TcpListener;
 use tracing::{error, info};
@@ -25,7 +26,11 @@ use crate::metrics::Metrics;
 use crate::service::{RouterService, Shared};
 
 fn main() -> ExitCode {
-    let settings = match Settings::resolve(Args::parse()) {
+    let mut args = Args::parse();
+    if let Some(config::Command::Report(report)) = args.command.take() {
+        return print_report(report);
+    }
+    let settings = match Settings::resolve(args) {
         Ok(settings) => settings,
         Err(err) => {
             eprintln!("kvmesh-sidecar: {err}");
@@ -52,6 +57,25 @@ fn main() -> ExitCode {
     }
 }
 
+/// `kvmesh-sidecar report`.
+fn print_report(args: config::ReportArgs) -> ExitCode {
+    let result = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(anyhow::Error::from)
+        .and_then(|rt| rt.block_on(report::run(args)));
+    match result {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("kvmesh-sidecar report: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 async fn serve(settings: Settings) -> anyhow::Result<()> {
     let router = Router::new(
         RouterConfig {
@@ -63,7 +87,13 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
         },
         settings.workers.iter().map(ToString::to_string),
     );
-    let shared = Shared::new(router, Metrics::new());
+    let insights = std::sync::Arc::new(std::sync::Mutex::new(Insights::new(InsightConfig {
+        kv_bytes_per_token: settings.kv_bytes_per_token,
+        tenant_labels: settings.tenant_labels,
+        session_ttl_ms: settings.session_ttl_secs.saturating_mul(1000),
+        ..InsightConfig::default()
+    })));
+    let shared = Shared::new(router, insights.clone(), Metrics::new(insights));
     if let Some(url) = &settings.redis {
         let ttl = std::time::Duration::from_secs(settings.session_ttl_secs);
         if let Some(store) = store::start(url, &settings.cluster, ttl, settings.snapshot_interval, shared.clone()).await

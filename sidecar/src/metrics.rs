@@ -2,9 +2,15 @@
 
 use std::time::Duration;
 
-use kvmesh_core::{Reason, WorkerView};
-use prometheus_client::encoding::EncodeLabelSet;
+use std::sync::{Arc, Mutex};
+
+use kvmesh_core::{Insights, MoveReason, Reason, SectionKind, Totals, WorkerView};
+use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -54,8 +60,227 @@ pub(crate) struct Metrics {
     index_bytes: Gauge,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AgentLabel {
+    harness: &'static str,
+    tenant: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AgentDetailLabel {
+    harness: &'static str,
+    tenant: String,
+    /// A move reason or a prompt section, per metric.
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SectionLabel {
+    harness: &'static str,
+    tenant: String,
+    section: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HarnessLabel {
+    harness: &'static str,
+}
+
+/// The insight ledger's figures, read at scrape time so they can never
+/// drift from it. Labels are a closed set of harnesses and a bounded set of
+/// tenants (`--tenant-labels`); never prompt text.
+#[derive(Debug)]
+struct InsightCollector {
+    insights: Arc<Mutex<Insights>>,
+}
+
+/// A per-(harness, tenant) counter: name, help, value.
+type AgentCounter = (&'static str, &'static str, fn(&Totals) -> f64);
+
+const AGENT_COUNTERS: &[AgentCounter] = &[
+    ("calls", "Routed calls", |t| t.calls as f64),
+    (
+        "prompt_tokens",
+        "Prompt tokens of routed calls, estimated from their bytes",
+        |t| t.prompt_tokens,
+    ),
+    (
+        "repeated_prefix_tokens",
+        "Leading prompt tokens that an earlier call already sent (the session's previous call, or a prefix a worker holds)",
+        |t| t.repeated_prefix_tokens,
+    ),
+    (
+        "predicted_cached_tokens",
+        "Prompt tokens predicted cached on the chosen worker",
+        |t| t.predicted_cached_tokens,
+    ),
+    (
+        "reachable_cached_tokens",
+        "Prompt tokens cached on the best worker for each call: what routing could reach",
+        |t| t.reachable_cached_tokens,
+    ),
+    (
+        "cache_read_tokens",
+        "Prompt tokens the engines reported served from their cache",
+        |t| t.reported_cached_tokens,
+    ),
+    (
+        "cache_written_tokens",
+        "Prompt tokens the engines computed and wrote to their cache (prompt - cached)",
+        |t| t.written_tokens,
+    ),
+    (
+        "usage_reported_prompt_tokens",
+        "Prompt tokens the engines reported, for calls that reported usage",
+        |t| t.reported_prompt_tokens,
+    ),
+    (
+        "session_continuing_calls",
+        "Calls of a session whose previous call went to a known worker",
+        |t| t.continuing_calls as f64,
+    ),
+    (
+        "session_same_worker_calls",
+        "Continuing calls that reached the worker of the session's previous call",
+        |t| t.same_worker_calls as f64,
+    ),
+    (
+        "prefix_checks",
+        "Continuing calls whose prefix was compared with the session's previous call",
+        |t| t.prefix_checks as f64,
+    ),
+    (
+        "prefill_saved_seconds",
+        "Estimated GPU prefill time saved by cached tokens, at each worker's prefill rate",
+        |t| t.prefill_saved_ms / 1000.0,
+    ),
+    (
+        "prefill_computed_seconds",
+        "Estimated GPU prefill time spent on computed tokens",
+        |t| t.prefill_computed_ms / 1000.0,
+    ),
+    (
+        "idle_kv_byte_seconds",
+        "KV-cache bytes held by idle sessions on their workers, times the seconds they were idle: what keeping sessions warm costs",
+        |t| t.idle_kv_byte_ms / 1000.0,
+    ),
+];
+
+fn counter(encoder: &mut DescriptorEncoder<'_>, name: &str, help: &str, rows: &[(impl EncodeLabelSet, f64)]) -> std::fmt::Result {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, value) in rows {
+        ConstCounter::new(*value).encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+fn gauge(encoder: &mut DescriptorEncoder<'_>, name: &str, help: &str, rows: &[(impl EncodeLabelSet, f64)]) -> std::fmt::Result {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, value) in rows {
+        ConstGauge::new(*value).encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for InsightCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let insights = crate::service::lock_insights(&self.insights);
+        let mut rows: Vec<(AgentLabel, &Totals)> = insights
+            .totals()
+            .map(|(label, t)| {
+                (
+                    AgentLabel {
+                        harness: Insights::harness_name(label.harness),
+                        tenant: insights.tenant_name(label.tenant).to_owned(),
+                    },
+                    t,
+                )
+            })
+            .collect();
+        rows.sort_by(|a, b| (a.0.harness, &a.0.tenant).cmp(&(b.0.harness, &b.0.tenant)));
+        for (name, help, value) in AGENT_COUNTERS {
+            let values: Vec<(AgentLabel, f64)> = rows.iter().map(|(l, t)| (l.clone(), value(t))).collect();
+            counter(&mut encoder, name, help, &values)?;
+        }
+        let moves: Vec<(AgentDetailLabel, f64)> = rows
+            .iter()
+            .flat_map(|(l, t)| {
+                MoveReason::ALL.iter().map(move |r| {
+                    (
+                        AgentDetailLabel {
+                            harness: l.harness,
+                            tenant: l.tenant.clone(),
+                            reason: r.as_str(),
+                        },
+                        t.moves[*r as usize] as f64,
+                    )
+                })
+            })
+            .collect();
+        counter(
+            &mut encoder,
+            "session_moves",
+            "Continuing calls that went to another worker than the session's previous call, by why",
+            &moves,
+        )?;
+        let breaks: Vec<(SectionLabel, f64)> = rows
+            .iter()
+            .flat_map(|(l, t)| {
+                SectionKind::ALL.iter().map(move |s| {
+                    (
+                        SectionLabel {
+                            harness: l.harness,
+                            tenant: l.tenant.clone(),
+                            section: s.as_str(),
+                        },
+                        t.prefix_breaks[*s as usize] as f64,
+                    )
+                })
+            })
+            .collect();
+        counter(
+            &mut encoder,
+            "prefix_breaks",
+            "Continuing calls that shared less of the session's previous prompt than all of it, by the section where the prefix broke",
+            &breaks,
+        )?;
+        let retention: Vec<_> = insights.retention().collect();
+        let per_harness = |f: fn(&kvmesh_core::Retention) -> f64| -> Vec<(HarnessLabel, f64)> {
+            retention
+                .iter()
+                .map(|(harness, r)| (HarnessLabel { harness }, f(r)))
+                .collect()
+        };
+        gauge(
+            &mut encoder,
+            "idle_sessions",
+            "Sessions with no call in flight whose prefix their worker still holds",
+            &per_harness(|r| r.idle_sessions as f64),
+        )?;
+        gauge(
+            &mut encoder,
+            "idle_kv_bytes",
+            "KV-cache bytes those idle sessions hold on their workers",
+            &per_harness(|r| r.kv_bytes),
+        )?;
+        gauge(
+            &mut encoder,
+            "idle_recompute_seconds",
+            "GPU prefill time to recompute those idle sessions if they were evicted",
+            &per_harness(|r| r.recompute_ms / 1000.0),
+        )?;
+        gauge(
+            &mut encoder,
+            "idle_longest_seconds",
+            "How long the longest-idle of them has waited",
+            &per_harness(|r| r.max_idle_ms as f64 / 1000.0),
+        )?;
+        Ok(())
+    }
+}
+
 impl Metrics {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(insights: Arc<Mutex<Insights>>) -> Self {
         let mut registry = Registry::with_prefix("kvmesh");
         let m = Self {
             picks: Family::default(),
@@ -152,6 +377,7 @@ impl Metrics {
             "Heap bytes held by the prefix index",
             m.index_bytes.clone(),
         );
+        registry.register_collector(Box::new(InsightCollector { insights }));
         Self { registry, ..m }
     }
 

@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use kvmesh_core::{Decision, Outcome, PickInput, Reason, Router};
+use kvmesh_core::{Call, Decision, Insights, Outcome, PickInput, Placed, PromptSection, Reason, Router, SectionKind};
 use kvmesh_proto::v1::{self, router_server};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -18,15 +18,18 @@ use crate::store::{Placement, StoreHandle};
 #[derive(Debug, Clone)]
 pub(crate) struct Shared {
     router: Arc<Mutex<Router>>,
+    /// Locked after `router` when both are needed, never before it.
+    insights: Arc<Mutex<Insights>>,
     pub(crate) metrics: Arc<Metrics>,
     /// Set once Redis is connected (never, without `--redis`).
     pub(crate) store: Arc<std::sync::OnceLock<StoreHandle>>,
 }
 
 impl Shared {
-    pub(crate) fn new(router: Router, metrics: Metrics) -> Self {
+    pub(crate) fn new(router: Router, insights: Arc<Mutex<Insights>>, metrics: Metrics) -> Self {
         Self {
             router: Arc::new(Mutex::new(router)),
+            insights,
             metrics: Arc::new(metrics),
             store: Arc::new(std::sync::OnceLock::new()),
         }
@@ -36,6 +39,36 @@ impl Shared {
     /// state is still the best picture there is: keep routing with it.
     pub(crate) fn router(&self) -> MutexGuard<'_, Router> {
         self.router.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The insight ledger (see `router` on poisoning).
+    pub(crate) fn insights(&self) -> MutexGuard<'_, Insights> {
+        lock_insights(&self.insights)
+    }
+
+    /// Charges idle sessions and refreshes the retention figures.
+    pub(crate) fn tick_insights(&self) {
+        let router = self.router();
+        self.insights().tick(now_ms(), &*router);
+    }
+}
+
+pub(crate) fn lock_insights(insights: &Mutex<Insights>) -> MutexGuard<'_, Insights> {
+    insights.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn section_from_wire(section: &v1::PromptSection) -> PromptSection {
+    let kind = match v1::SectionKind::try_from(section.kind) {
+        Ok(v1::SectionKind::Tools) => SectionKind::Tools,
+        Ok(v1::SectionKind::System) => SectionKind::System,
+        Ok(v1::SectionKind::Message) => SectionKind::Message,
+        _ => SectionKind::Other,
+    };
+    PromptSection {
+        kind,
+        index: section.index,
+        start: section.start_byte,
+        digest: section.digest,
     }
 }
 
@@ -73,6 +106,7 @@ impl Shared {
     /// Decides one Pick and records it.
     pub(crate) fn pick(&self, req: &v1::PickRequest) -> v1::PickReply {
         let started = Instant::now();
+        let now = now_ms();
         let (decision, destinations) = {
             let mut router = self.router();
             let decision: Decision = router.pick(PickInput {
@@ -85,13 +119,38 @@ impl Shared {
                 parent_id: &req.parent_id,
                 model: &req.model,
                 session_final: req.session_final,
-                now_ms: now_ms(),
+                now_ms: now,
             });
             let destinations: Vec<String> = decision
                 .ranked
                 .iter()
                 .filter_map(|id| router.address(*id).map(str::to_owned))
                 .collect();
+            let chosen = decision.ranked.first().copied();
+            let sections: Vec<PromptSection> = req.sections.iter().map(section_from_wire).collect();
+            self.insights().on_pick(
+                &Call {
+                    pick_id: decision.pick_id,
+                    routing_key: routing_key(req),
+                    model: &req.model,
+                    harness: &req.harness,
+                    tenant: &req.tenant,
+                    full_blocks: full_blocks(req),
+                    sections: &sections,
+                    prompt_bytes: req.prompt_bytes,
+                    block_bytes: if req.block_bytes == 0 { 256 } else { req.block_bytes },
+                    truncated: req.truncated,
+                    bytes_per_token: router.bytes_per_token(&req.model),
+                    now_ms: now,
+                },
+                &Placed {
+                    worker: chosen,
+                    predicted_blocks: decision.predicted_cached_blocks as usize,
+                    reachable_blocks: decision.best_overlap as usize,
+                    prefill_tokens_per_ms: chosen.map_or(0.0, |w| router.prefill_tokens_per_ms(w)),
+                },
+                &*router,
+            );
             (decision, destinations)
         };
         debug!(
@@ -103,16 +162,10 @@ impl Shared {
             "pick"
         );
         if let (Some(store), Some(worker)) = (self.store.get(), destinations.first()) {
-            let full = req.block_hashes.len() - usize::from(req.last_block_partial && !req.block_hashes.is_empty());
-            let session = if req.agent_id.is_empty() {
-                &req.session_id
-            } else {
-                &req.agent_id
-            };
             store.publish(Placement {
                 worker: worker.clone(),
-                session: session.clone(),
-                blocks: req.block_hashes[..full].to_vec(),
+                session: routing_key(req).to_owned(),
+                blocks: full_blocks(req).to_vec(),
             });
         }
         self.metrics.observe_pick(
@@ -132,15 +185,42 @@ impl Shared {
 
     /// Applies one Outcome.
     pub(crate) fn report(&self, outcome: &v1::Outcome) {
-        let known = self.router().report(Outcome {
-            pick_id: outcome.pick_id,
-            prompt_tokens: outcome.prompt_tokens,
-            cached_tokens: outcome.cached_tokens,
-            ttfb_ms: outcome.ttfb_ms,
-        });
+        let known = {
+            let mut router = self.router();
+            let known = router.report(Outcome {
+                pick_id: outcome.pick_id,
+                prompt_tokens: outcome.prompt_tokens,
+                cached_tokens: outcome.cached_tokens,
+                ttfb_ms: outcome.ttfb_ms,
+            });
+            let served = router.worker_id(&outcome.destination);
+            self.insights().on_outcome(
+                outcome.pick_id,
+                outcome.prompt_tokens,
+                outcome.cached_tokens,
+                served,
+                now_ms(),
+            );
+            known
+        };
         self.metrics
             .observe_report(known, outcome.prompt_tokens, outcome.cached_tokens);
     }
+}
+
+/// The session a request is scheduled as: a subagent's own id, else its session's.
+fn routing_key(req: &v1::PickRequest) -> &str {
+    if req.agent_id.is_empty() {
+        &req.session_id
+    } else {
+        &req.agent_id
+    }
+}
+
+/// The request's hashes without a trailing partial block.
+fn full_blocks(req: &v1::PickRequest) -> &[u64] {
+    let partial = usize::from(req.last_block_partial && !req.block_hashes.is_empty());
+    &req.block_hashes[..req.block_hashes.len() - partial]
 }
 
 type PickReplies = Pin<Box<dyn Stream<Item = Result<v1::PickReply, Status>> + Send>>;

@@ -149,6 +149,7 @@ pub(crate) async fn expire_sessions(shared: Shared, interval: Duration) {
     loop {
         ticker.tick().await;
         let ended = shared.router().expire_sessions(now_ms());
+        shared.tick_insights();
         if ended > 0 {
             info!(ended, "idle sessions ended");
         }

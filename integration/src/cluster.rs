@@ -386,6 +386,22 @@ impl Cluster {
             .unwrap_or(0.0))
     }
 
+    /// Like `sidecar_metric`, but a series that is not exported is an error
+    /// (so a zero is a real zero).
+    pub async fn sidecar_metric_required(&self, series: String) -> anyhow::Result<f64> {
+        let text = self
+            .http
+            .get(format!("http://{}/metrics", self.sidecar_admin))
+            .send()
+            .await?
+            .text()
+            .await?;
+        text.lines()
+            .find_map(|line| line.strip_prefix(series.as_str())?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+            .with_context(|| format!("no series {series} in the sidecar's /metrics"))
+    }
+
     /// Polls until every worker's in-flight count is back to zero (outcome
     /// reports arrive just after the responses), or fails after `timeout`.
     pub async fn wait_for_no_in_flight(&self, timeout: Duration) -> anyhow::Result<()> {

@@ -20,7 +20,13 @@ pub(crate) const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9902";
 /// underscores). Flags win over the environment, which wins over the file.
 /// Ports may be 0; the bound addresses are printed on stdout.
 #[derive(Debug, Parser)]
-#[command(name = "kvmesh-sidecar", version, about, long_about, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "kvmesh-sidecar",
+    version,
+    about,
+    long_about,
+    args_conflicts_with_subcommands = true
+)]
 pub(crate) struct Args {
     #[command(subcommand)]
     pub(crate) command: Option<Command>,
@@ -139,7 +145,12 @@ pub(crate) enum Command {
 #[derive(Debug, clap::Args)]
 pub(crate) struct ReportArgs {
     /// Admin URL of the sidecar.
-    #[arg(long, env = "KVMESH_ADMIN_URL", default_value = "http://127.0.0.1:9902", value_name = "URL")]
+    #[arg(
+        long,
+        env = "KVMESH_ADMIN_URL",
+        default_value = "http://127.0.0.1:9902",
+        value_name = "URL"
+    )]
     pub(crate) admin: String,
 
     /// The window: seconds, or a number with s, m, h or d.
@@ -331,10 +342,7 @@ impl Settings {
         if index_budget_mb < 4 {
             errors.push("index_budget_mb must be at least 4".to_owned());
         }
-        let kv_bytes_per_token = args
-            .kv_bytes_per_token
-            .or(file.kv_bytes_per_token)
-            .unwrap_or(98_304.0);
+        let kv_bytes_per_token = args.kv_bytes_per_token.or(file.kv_bytes_per_token).unwrap_or(98_304.0);
         if !(kv_bytes_per_token.is_finite() && kv_bytes_per_token > 0.0) {
             errors.push("kv_bytes_per_token must be a positive number".to_owned());
         }

@@ -10,9 +10,9 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
@@ -100,6 +100,16 @@ type AgentCounter = (&'static str, &'static str, fn(&Totals) -> f64);
 const AGENT_COUNTERS: &[AgentCounter] = &[
     ("calls", "Routed calls", |t| t.calls as f64),
     (
+        "prompt_bytes",
+        "Canonical prompt bytes of routed calls (tools, system, messages as the filter hashes them)",
+        |t| t.prompt_bytes as f64,
+    ),
+    (
+        "repeated_prefix_bytes",
+        "Leading prompt bytes that an earlier call already sent; over prompt_bytes, the repeated-prefix share",
+        |t| t.repeated_prefix_bytes as f64,
+    ),
+    (
         "prompt_tokens",
         "Prompt tokens of routed calls, estimated from their bytes",
         |t| t.prompt_tokens,
@@ -166,7 +176,12 @@ const AGENT_COUNTERS: &[AgentCounter] = &[
     ),
 ];
 
-fn counter(encoder: &mut DescriptorEncoder<'_>, name: &str, help: &str, rows: &[(impl EncodeLabelSet, f64)]) -> std::fmt::Result {
+fn counter(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    rows: &[(impl EncodeLabelSet, f64)],
+) -> std::fmt::Result {
     let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
     for (labels, value) in rows {
         ConstCounter::new(*value).encode(family.encode_family(labels)?)?;
@@ -174,7 +189,12 @@ fn counter(encoder: &mut DescriptorEncoder<'_>, name: &str, help: &str, rows: &[
     Ok(())
 }
 
-fn gauge(encoder: &mut DescriptorEncoder<'_>, name: &str, help: &str, rows: &[(impl EncodeLabelSet, f64)]) -> std::fmt::Result {
+fn gauge(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    rows: &[(impl EncodeLabelSet, f64)],
+) -> std::fmt::Result {
     let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
     for (labels, value) in rows {
         ConstGauge::new(*value).encode(family.encode_family(labels)?)?;

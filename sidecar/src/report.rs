@@ -31,6 +31,8 @@ fn row_json(harness: &str, tenant: &str, t: &Totals) -> Value {
         "harness": harness,
         "tenant": tenant,
         "calls": t.calls,
+        "prompt_bytes": t.prompt_bytes,
+        "repeated_prefix_bytes": t.repeated_prefix_bytes,
         "prompt_tokens": t.prompt_tokens.round(),
         "repeated_prefix_tokens": t.repeated_prefix_tokens.round(),
         "repeated_prefix_share": t.repeated_prefix_share(),
@@ -167,7 +169,11 @@ pub(crate) fn render_text(report: &Value) -> String {
     for row in rows {
         let read = num(&row["cache_read_tokens"]);
         let written = num(&row["cache_written_tokens"]);
-        let reuse = if read + written > 0.0 { read / (read + written) } else { 0.0 };
+        let reuse = if read + written > 0.0 {
+            read / (read + written)
+        } else {
+            0.0
+        };
         let _ = writeln!(
             out,
             "{:<16} {:<12} {:>7} {:>10} {:>10} {:>10} {:>7} {:>7.2} {:>7} {:>9.1} {:>9.1} {:>11.1}",
@@ -188,10 +194,16 @@ pub(crate) fn render_text(report: &Value) -> String {
     if rows.is_empty() {
         let _ = writeln!(out, "(no calls in this window)");
     }
-    let _ = writeln!(out, "\ntop prefix breakers (where a session's next call stopped matching its previous prompt)");
+    let _ = writeln!(
+        out,
+        "\ntop prefix breakers (where a session's next call stopped matching its previous prompt)"
+    );
     let breakers = report["breakers"].as_array().map(Vec::as_slice).unwrap_or_default();
     if breakers.is_empty() {
-        let _ = writeln!(out, "(none: every continuing call kept its previous prompt as a prefix)");
+        let _ = writeln!(
+            out,
+            "(none: every continuing call kept its previous prompt as a prefix)"
+        );
     }
     for b in breakers.iter().take(10) {
         let _ = writeln!(

@@ -176,6 +176,11 @@ pub struct Placed {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Totals {
     pub calls: u64,
+    /// Canonical prompt bytes, and the leading ones that repeat an earlier
+    /// call: the repeated-prefix share is their ratio (exact, whatever the
+    /// tokenizer; tokens below are estimates from these bytes).
+    pub prompt_bytes: u64,
+    pub repeated_prefix_bytes: u64,
     /// Prompt tokens of every call (bytes ÷ the model's bytes per token).
     pub prompt_tokens: f64,
     /// Leading tokens an earlier call already sent: the session's previous
@@ -212,6 +217,8 @@ pub struct Totals {
 impl Totals {
     fn add(&mut self, other: &Totals) {
         self.calls += other.calls;
+        self.prompt_bytes += other.prompt_bytes;
+        self.repeated_prefix_bytes += other.repeated_prefix_bytes;
         self.prompt_tokens += other.prompt_tokens;
         self.repeated_prefix_tokens += other.repeated_prefix_tokens;
         self.predicted_cached_tokens += other.predicted_cached_tokens;
@@ -235,9 +242,9 @@ impl Totals {
         self.idle_kv_byte_ms += other.idle_kv_byte_ms;
     }
 
-    /// Share of prompt tokens that repeat an earlier prefix.
+    /// Share of the prompt that repeats an earlier prefix.
     pub fn repeated_prefix_share(&self) -> f64 {
-        ratio(self.repeated_prefix_tokens, self.prompt_tokens)
+        ratio(self.repeated_prefix_bytes as f64, self.prompt_bytes as f64)
     }
 
     /// Share of a session's continuing calls that reached the same worker.
@@ -509,8 +516,11 @@ impl Insights {
         let continuing = previous.is_some_and(|p| p.worker.is_some()) && placed.worker.is_some();
         let checked = previous.is_some_and(|p| !p.blocks.is_empty());
         let repeated = common.max(placed.reachable_blocks);
+        let repeated_bytes = (repeated as u64 * u64::from(call.block_bytes.max(1))).min(call.prompt_bytes);
         self.count(label, now, |t| {
             t.calls += 1;
+            t.prompt_bytes += call.prompt_bytes;
+            t.repeated_prefix_bytes += repeated_bytes;
             t.prompt_tokens += prompt_tokens;
             t.repeated_prefix_tokens += tokens(repeated);
             t.predicted_cached_tokens += tokens(placed.predicted_blocks);
@@ -716,10 +726,7 @@ impl Insights {
                 totals.entry(*label).or_default().add(t);
             }
             for (point, s) in &bucket.breaks {
-                breaks
-                    .entry(*point)
-                    .and_modify(|b| b.merge(s))
-                    .or_insert(*s);
+                breaks.entry(*point).and_modify(|b| b.merge(s)).or_insert(*s);
             }
         }
         let mut rows: Vec<(String, String, Totals)> = totals
@@ -917,10 +924,18 @@ mod tests {
         s2.push(section(SectionKind::Message, 2, 450, 4));
 
         // Clean appends: 450 then 650 bytes (112.5 + 162.5 tokens).
-        insights.on_pick(&call(1, "a", "claude_code", &[1, 2, 3, 4], &s1, 450, 0), &placed(0, 0, 0), &fleet);
+        insights.on_pick(
+            &call(1, "a", "claude_code", &[1, 2, 3, 4], &s1, 450, 0),
+            &placed(0, 0, 0),
+            &fleet,
+        );
         insights.on_outcome(1, Some(110), Some(0), Some(WorkerId(0)), 1_000);
         let next = [1, 2, 3, 4, 5, 6];
-        insights.on_pick(&call(2, "a", "claude_code", &next, &s2, 650, 5_000), &placed(0, 4, 4), &fleet);
+        insights.on_pick(
+            &call(2, "a", "claude_code", &next, &s2, 650, 5_000),
+            &placed(0, 4, 4),
+            &fleet,
+        );
         insights.on_outcome(2, Some(160), Some(100), Some(WorkerId(0)), 10_000);
 
         let t = totals_of(&insights, "claude_code");
@@ -928,7 +943,8 @@ mod tests {
         assert_eq!(t.prompt_tokens, 275.0);
         // The second call repeats 4 blocks of 25 tokens.
         assert_eq!(t.repeated_prefix_tokens, 100.0);
-        assert!((t.repeated_prefix_share() - 100.0 / 275.0).abs() < 1e-12);
+        assert_eq!((t.prompt_bytes, t.repeated_prefix_bytes), (1100, 400));
+        assert!((t.repeated_prefix_share() - 400.0 / 1100.0).abs() < 1e-12);
         assert_eq!((t.continuing_calls, t.same_worker_calls), (1, 1));
         assert_eq!(t.same_worker_rate(), 1.0);
         assert_eq!(t.prefix_checks, 1);
@@ -966,9 +982,17 @@ mod tests {
             ]
         };
         let first = sections(10);
-        insights.on_pick(&call(1, "b", "openclaw", &[1, 2, 3, 4], &first, 450, 0), &placed(1, 0, 0), &fleet);
+        insights.on_pick(
+            &call(1, "b", "openclaw", &[1, 2, 3, 4], &first, 450, 0),
+            &placed(1, 0, 0),
+            &fleet,
+        );
         let second = sections(11);
-        insights.on_pick(&call(2, "b", "openclaw", &[1, 2, 7, 8], &second, 450, 10), &placed(1, 2, 2), &fleet);
+        insights.on_pick(
+            &call(2, "b", "openclaw", &[1, 2, 7, 8], &second, 450, 10),
+            &placed(1, 2, 2),
+            &fleet,
+        );
         let points = insights.break_points();
         assert_eq!(points.len(), 1);
         let (point, stats) = points[0];
@@ -982,7 +1006,11 @@ mod tests {
 
         // A compacted history drops message 1: the break is named there.
         let compacted = &second[..2];
-        insights.on_pick(&call(3, "b", "openclaw", &[1, 2, 7], compacted, 300, 20), &placed(1, 2, 2), &fleet);
+        insights.on_pick(
+            &call(3, "b", "openclaw", &[1, 2, 7], compacted, 300, 20),
+            &placed(1, 2, 2),
+            &fleet,
+        );
         assert!(
             insights
                 .break_points()
@@ -1000,7 +1028,11 @@ mod tests {
         let mut id = 0;
         let mut pick = |insights: &mut Insights, worker, predicted, fleet: &Fleet, blocks: &[u64]| {
             id += 1;
-            insights.on_pick(&call(id, "c", "codex", blocks, &s, 400, id), &placed(worker, predicted, 4), fleet);
+            insights.on_pick(
+                &call(id, "c", "codex", blocks, &s, 400, id),
+                &placed(worker, predicted, 4),
+                fleet,
+            );
         };
         pick(&mut insights, 0, 0, &fleet, &blocks);
         // Worker 0 holds all 4 blocks but the call went to 1 with none: load.
@@ -1050,8 +1082,19 @@ mod tests {
         let mut insights = Insights::new(InsightConfig::default());
         let fleet = Fleet::default();
         insights.on_pick(&call(1, "a", "codex", &[1], &[], 100, 0), &placed(0, 0, 0), &fleet);
-        insights.on_pick(&call(2, "b", "codex", &[2], &[], 100, 600_000), &placed(0, 0, 0), &fleet);
-        let calls = |window| insights.report(600_000, window).rows.iter().map(|r| r.2.calls).sum::<u64>();
+        insights.on_pick(
+            &call(2, "b", "codex", &[2], &[], 100, 600_000),
+            &placed(0, 0, 0),
+            &fleet,
+        );
+        let calls = |window| {
+            insights
+                .report(600_000, window)
+                .rows
+                .iter()
+                .map(|r| r.2.calls)
+                .sum::<u64>()
+        };
         assert_eq!(calls(60_000), 1);
         assert_eq!(calls(3_600_000), 2);
     }

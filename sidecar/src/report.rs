@@ -27,32 +27,17 @@ fn row_json(harness: &str, tenant: &str, t: &Totals) -> Value {
         .iter()
         .map(|s| (s.as_str().to_owned(), json!(t.prefix_breaks[*s as usize])))
         .collect();
-    json!({
-        "harness": harness,
-        "tenant": tenant,
-        "calls": t.calls,
-        "prompt_bytes": t.prompt_bytes,
-        "repeated_prefix_bytes": t.repeated_prefix_bytes,
-        "prompt_tokens": t.prompt_tokens.round(),
-        "repeated_prefix_tokens": t.repeated_prefix_tokens.round(),
-        "repeated_prefix_share": t.repeated_prefix_share(),
-        "predicted_cached_tokens": t.predicted_cached_tokens.round(),
-        "reachable_cached_tokens": t.reachable_cached_tokens.round(),
-        "reported_calls": t.reported_calls,
-        "reported_prompt_tokens": t.reported_prompt_tokens,
-        "cache_read_tokens": t.reported_cached_tokens,
-        "cache_written_tokens": t.written_tokens,
-        "read_write_ratio": t.read_write_ratio(),
-        "continuing_calls": t.continuing_calls,
-        "same_worker_calls": t.same_worker_calls,
-        "same_worker_rate": t.same_worker_rate(),
-        "moves": moves,
-        "prefix_checks": t.prefix_checks,
-        "prefix_breaks": breaks,
-        "gpu_seconds_saved": t.prefill_saved_ms / 1000.0,
-        "gpu_seconds_computed": t.prefill_computed_ms / 1000.0,
-        "idle_kv_byte_seconds": t.idle_kv_byte_ms / 1000.0,
-    })
+    let mut row = serde_json::Map::new();
+    row.insert("harness".to_owned(), json!(harness));
+    row.insert("tenant".to_owned(), json!(tenant));
+    for (name, value) in t.figures() {
+        // Counts print as integers.
+        let whole = value.fract() == 0.0 && (0.0..9e15).contains(&value);
+        row.insert(name.to_owned(), if whole { json!(value as u64) } else { json!(value) });
+    }
+    row.insert("moves".to_owned(), Value::Object(moves));
+    row.insert("prefix_breaks".to_owned(), Value::Object(breaks));
+    Value::Object(row)
 }
 
 /// The report as the admin server serves it.

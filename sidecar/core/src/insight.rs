@@ -215,7 +215,8 @@ pub struct Totals {
 }
 
 impl Totals {
-    fn add(&mut self, other: &Totals) {
+    /// Adds another label's or bucket's sums to these.
+    pub fn add(&mut self, other: &Totals) {
         self.calls += other.calls;
         self.prompt_bytes += other.prompt_bytes;
         self.repeated_prefix_bytes += other.repeated_prefix_bytes;
@@ -255,6 +256,33 @@ impl Totals {
     /// Tokens read from the cache per token written to it.
     pub fn read_write_ratio(&self) -> f64 {
         ratio(self.reported_cached_tokens, self.written_tokens)
+    }
+
+    /// The headline figures by name, as the sidecar's report and the
+    /// benchmark both print them, so a simulation and a live deployment
+    /// read the same way.
+    pub fn figures(&self) -> Vec<(&'static str, f64)> {
+        vec![
+            ("calls", self.calls as f64),
+            ("prompt_bytes", self.prompt_bytes as f64),
+            ("repeated_prefix_bytes", self.repeated_prefix_bytes as f64),
+            ("repeated_prefix_share", self.repeated_prefix_share()),
+            ("prompt_tokens", self.prompt_tokens.round()),
+            ("predicted_cached_tokens", self.predicted_cached_tokens.round()),
+            ("reachable_cached_tokens", self.reachable_cached_tokens.round()),
+            ("reported_calls", self.reported_calls as f64),
+            ("reported_prompt_tokens", self.reported_prompt_tokens),
+            ("cache_read_tokens", self.reported_cached_tokens),
+            ("cache_written_tokens", self.written_tokens),
+            ("read_write_ratio", self.read_write_ratio()),
+            ("continuing_calls", self.continuing_calls as f64),
+            ("same_worker_calls", self.same_worker_calls as f64),
+            ("same_worker_rate", self.same_worker_rate()),
+            ("prefix_checks", self.prefix_checks as f64),
+            ("gpu_seconds_saved", self.prefill_saved_ms / 1000.0),
+            ("gpu_seconds_computed", self.prefill_computed_ms / 1000.0),
+            ("idle_kv_byte_seconds", self.idle_kv_byte_ms / 1000.0),
+        ]
     }
 }
 

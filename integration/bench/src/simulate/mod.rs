@@ -14,6 +14,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::path::PathBuf;
 
 use anyhow::bail;
+use kvmesh_core::{Call, FleetView, InsightConfig, Insights, Placed, Totals, WorkerId};
 use kvmesh_request::FilterConfig;
 use kvmesh_sim::engine::{Engine, EngineConfig};
 use kvmesh_sim::timing::TimingModel;
@@ -67,6 +68,52 @@ impl Ord for Completion {
     }
 }
 
+/// Engine bytes per token (the sim's) and kvmesh bytes per block: the
+/// engine's truth in kvmesh's units, for the insight ledger.
+const ENGINE_BYTES_PER_TOKEN: f64 = 4.0;
+const BLOCK_BYTES: f64 = 256.0;
+
+/// The simulated fleet as the insight ledger reads it: the engines' true
+/// caches, not any policy's belief, so every policy is judged alike.
+struct SimFleet<'a> {
+    world: &'a World,
+    now: f64,
+    /// Each worker's true cached prefix of the current request, in blocks.
+    overlaps: Vec<usize>,
+    /// A session's last full block → that request, to ask the engine
+    /// whether its prefix is still cached.
+    last_blocks: &'a HashMap<u64, usize>,
+    prepared: &'a [Prepared],
+}
+
+impl FleetView for SimFleet<'_> {
+    fn pickable(&self, _: WorkerId) -> bool {
+        true
+    }
+
+    fn overlap(&self, worker: WorkerId) -> usize {
+        self.overlaps.get(worker.0).copied().unwrap_or(0)
+    }
+
+    fn holds(&self, worker: WorkerId, block: u64) -> bool {
+        let Some(r) = self.last_blocks.get(&block).and_then(|&i| self.prepared.get(i)) else {
+            return false;
+        };
+        let cached = self.world.view(self.now).true_cached_tokens(worker.0, &r.prompt);
+        // Most of the prefix is still there.
+        2 * cached >= r.prompt_tokens
+    }
+}
+
+fn blocks_of_tokens(tokens: u64) -> usize {
+    (tokens as f64 * ENGINE_BYTES_PER_TOKEN / BLOCK_BYTES) as usize
+}
+
+fn full_blocks(r: &Prepared) -> &[u64] {
+    let partial = usize::from(r.last_block_partial && !r.hashes.is_empty());
+    &r.hashes[..r.hashes.len() - partial]
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -91,6 +138,8 @@ fn run_policy(
         bail!("unknown policy {name:?}; known: {}", policies::ALL.join(", "));
     };
     let mut world = World::new(options.workers, options.capacity_tokens, timing);
+    let mut insights = Insights::new(InsightConfig::default());
+    let mut last_blocks: HashMap<u64, usize> = HashMap::new();
     let mut pending: BinaryHeap<Completion> = BinaryHeap::new();
     let mut served: Vec<Served> = Vec::with_capacity(prepared.len());
     let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -100,10 +149,54 @@ fn run_policy(
         }
         while pending.peek().is_some_and(|c| c.end <= now) {
             if let Some(c) = pending.pop() {
-                policy.completed(c.worker, &prepared[c.index], c.cached, c.ttft);
+                let done = &prepared[c.index];
+                policy.completed(c.worker, done, c.cached, c.ttft);
+                insights.on_outcome(
+                    c.index as u64,
+                    Some(done.prompt_tokens),
+                    Some(c.cached),
+                    Some(WorkerId(c.worker)),
+                    c.end as u64,
+                );
             }
         }
         let w = policy.pick(r, &world.view(now)).min(options.workers - 1);
+        let overlaps: Vec<usize> = (0..options.workers)
+            .map(|x| blocks_of_tokens(world.view(now).true_cached_tokens(x, &r.prompt)))
+            .collect();
+        let fleet = SimFleet {
+            world: &world,
+            now,
+            overlaps,
+            last_blocks: &last_blocks,
+            prepared,
+        };
+        insights.on_pick(
+            &Call {
+                pick_id: r.index as u64,
+                routing_key: &r.session,
+                model: "sim",
+                harness: "other",
+                tenant: "",
+                full_blocks: full_blocks(r),
+                sections: &r.sections,
+                prompt_bytes: r.stream_bytes,
+                block_bytes: BLOCK_BYTES as u32,
+                truncated: false,
+                bytes_per_token: ENGINE_BYTES_PER_TOKEN,
+                now_ms: now as u64,
+            },
+            &Placed {
+                worker: Some(WorkerId(w)),
+                predicted_blocks: fleet.overlap(WorkerId(w)),
+                reachable_blocks: fleet.overlaps.iter().copied().max().unwrap_or(0),
+                prefill_tokens_per_ms: timing.prefill_tokens_per_ms,
+            },
+            &fleet,
+        );
+        if let Some(&last) = full_blocks(r).last() {
+            last_blocks.insert(last, r.index);
+        }
         let s = world.serve(w, r, now);
         pending.push(Completion {
             end: s.end_ms,
@@ -139,6 +232,51 @@ fn run_policy(
     if progress {
         eprint!("\r{:<30}\r", "");
     }
+    // The rest finish, then idle sessions are charged up to the end.
+    while let Some(c) = pending.pop() {
+        let done = &prepared[c.index];
+        insights.on_outcome(
+            c.index as u64,
+            Some(done.prompt_tokens),
+            Some(c.cached),
+            Some(WorkerId(c.worker)),
+            c.end as u64,
+        );
+    }
+    let end_ms = served.iter().map(|s| s.end_ms).fold(0.0, f64::max);
+    insights.tick(
+        end_ms as u64,
+        &SimFleet {
+            world: &world,
+            now: end_ms,
+            overlaps: Vec::new(),
+            last_blocks: &last_blocks,
+            prepared,
+        },
+    );
+    let mut all = Totals::default();
+    for (_, t) in insights.totals() {
+        all.add(t);
+    }
+    let figures: serde_json::Map<String, serde_json::Value> = all
+        .figures()
+        .into_iter()
+        .map(|(name, value)| (name.to_owned(), json!(value)))
+        .collect();
+    let breaks: serde_json::Map<String, serde_json::Value> = kvmesh_core::SectionKind::ALL
+        .iter()
+        .map(|s| (s.as_str().to_owned(), json!(all.prefix_breaks[*s as usize])))
+        .collect();
+    let breakers: Vec<serde_json::Value> = insights
+        .break_points()
+        .iter()
+        .take(5)
+        .map(|(p, s)| json!({"section": p.kind.as_str(), "index": p.index, "count": s.count, "first_block_min": s.first_block_min, "first_block_max": s.first_block_max}))
+        .collect();
+    let moves: serde_json::Map<String, serde_json::Value> = kvmesh_core::MoveReason::ALL
+        .iter()
+        .map(|m| (m.as_str().to_owned(), json!(all.moves[*m as usize])))
+        .collect();
     let result = json!({
         "hit_rate": cached as f64 / prompt.max(1) as f64,
         "prefill_tokens": prompt - cached,
@@ -147,6 +285,9 @@ fn run_policy(
         "throughput_tok_s": output as f64 / makespan_s.max(1e-9),
         "imbalance": imbalance,
         "session_affinity": if follow_ups == 0 { serde_json::Value::Null } else { json!(same as f64 / follow_ups as f64) },
+        // The figures the sidecar's report and metrics give a live
+        // deployment, from the same ledger.
+        "insights": {"figures": figures, "prefix_breaks": breaks, "moves": moves, "top_breakers": breakers},
     });
     Ok((result, ttft))
 }
@@ -211,6 +352,30 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
                 .map_or("-".to_owned(), |a| format!("{a:.2}")),
         );
         results.insert(name.clone(), r);
+    }
+    // The same figures the sidecar's report gives a live deployment.
+    println!(
+        "\n| policy | repeated prefix | reachable cached | reported cached | same worker | r/w ratio | prefix breaks | GPU s saved | idle KV GB·s |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for name in &names {
+        let Some(r) = results.get(name) else { continue };
+        let f = &r["insights"]["figures"];
+        let num = |key: &str| f[key].as_f64().unwrap_or(0.0);
+        let prompt = num("prompt_tokens").max(1.0);
+        let breaks: u64 = r["insights"]["prefix_breaks"]
+            .as_object()
+            .map_or(0, |b| b.values().filter_map(serde_json::Value::as_u64).sum());
+        println!(
+            "| {name} | {:.3} | {:.3} | {:.3} | {:.2} | {:.1} | {breaks} | {:.0} | {:.0} |",
+            num("repeated_prefix_share"),
+            num("reachable_cached_tokens") / prompt,
+            num("cache_read_tokens") / num("reported_prompt_tokens").max(1.0),
+            num("same_worker_rate"),
+            num("read_write_ratio"),
+            num("gpu_seconds_saved"),
+            num("idle_kv_byte_seconds") / 1e9,
+        );
     }
     if let Some(path) = &options.json {
         let out = json!({

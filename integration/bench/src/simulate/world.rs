@@ -21,6 +21,8 @@ pub(crate) struct Prepared {
     pub(crate) hashes: Vec<u64>,
     pub(crate) last_block_partial: bool,
     pub(crate) stream_bytes: u64,
+    /// The parts of the canonical stream, for the insight figures.
+    pub(crate) sections: Vec<kvmesh_core::PromptSection>,
     /// The engine's view: its templated prompt.
     pub(crate) prompt: Vec<u8>,
     pub(crate) prompt_tokens: u64,
@@ -50,10 +52,27 @@ pub(crate) fn prepare(index: usize, r: &Request, config: &FilterConfig) -> anyho
         hashes: understood.hashes.hashes,
         last_block_partial: understood.hashes.last_partial,
         stream_bytes: understood.hashes.stream_bytes,
+        sections: understood.sections.iter().map(section).collect(),
         prompt_tokens: (call.prompt.len() as u64).div_ceil(4),
         prompt: call.prompt,
         output_tokens: r.output_tokens,
     })
+}
+
+fn section(s: &kvmesh_request::Section) -> kvmesh_core::PromptSection {
+    use kvmesh_core::SectionKind as Core;
+    use kvmesh_request::SectionKind as Filter;
+    kvmesh_core::PromptSection {
+        kind: match s.kind {
+            Filter::Tools => Core::Tools,
+            Filter::System => Core::System,
+            Filter::Message => Core::Message,
+            Filter::Other => Core::Other,
+        },
+        index: s.index,
+        start: s.start,
+        digest: s.digest,
+    }
 }
 
 #[derive(Debug)]

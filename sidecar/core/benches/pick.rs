@@ -8,11 +8,13 @@
 //! call: a cached session prefix plus 20 new blocks (a tool result). The
 //! lookup walks every cached block; the pick then places the request
 //! (re-touching its cached blocks, adding the new ones). Medians and p99
-//! over 2,000 picks per size.
+//! over 2,000 picks per size. Beside it, what the insight ledger adds to the
+//! sidecar's handling of each Pick (`Insights::on_pick`: the prefix
+//! comparison with the session's previous call and its new trace).
 
 use std::time::{Duration, Instant};
 
-use kvmesh_core::{Outcome, PickInput, Router, RouterConfig};
+use kvmesh_core::{Call, InsightConfig, Insights, Outcome, PickInput, Placed, Router, RouterConfig};
 
 /// splitmix64: a fixed, seeded stream of hashes.
 fn hash(seed: u64) -> u64 {
@@ -37,8 +39,8 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let entry_counts: &[u64] = if quick { &[100_000] } else { &[1_000_000, 10_000_000] };
-    println!("| indexed entries | workers | request blocks | median | p99 | bytes per entry |");
-    println!("|---|---|---|---|---|---|");
+    println!("| indexed entries | workers | request blocks | median | p99 | bytes per entry | insights median | insights p99 |");
+    println!("|---|---|---|---|---|---|---|---|");
     for &entries in entry_counts {
         for workers in [8usize, 64, 512] {
             let sessions = entries / SESSION_BLOCKS;
@@ -62,6 +64,8 @@ fn main() {
             let bytes_per_entry = index.memory_bytes() as f64 / index.entries().max(1) as f64;
             for request_blocks in [100u64, 1600, 8000] {
                 let mut took = Vec::with_capacity(2000);
+                let mut insight_took = Vec::with_capacity(2000);
+                let mut insights = Insights::new(InsightConfig::default());
                 for i in 0..2100u64 {
                     // A cached session's blocks, extended past them.
                     let s = hash(i) % sessions;
@@ -79,19 +83,48 @@ fn main() {
                         ..PickInput::default()
                     });
                     let elapsed = started.elapsed();
+                    let started = Instant::now();
+                    insights.on_pick(
+                        &Call {
+                            pick_id: d.pick_id,
+                            routing_key: &session,
+                            model: "m",
+                            harness: "claude_code",
+                            tenant: "t",
+                            full_blocks: &hashes,
+                            sections: &[],
+                            prompt_bytes: request_blocks * 256,
+                            block_bytes: 256,
+                            truncated: false,
+                            bytes_per_token: 4.0,
+                            now_ms: i,
+                        },
+                        &Placed {
+                            worker: d.ranked.first().copied(),
+                            predicted_blocks: d.predicted_cached_blocks as usize,
+                            reachable_blocks: d.best_overlap as usize,
+                            prefill_tokens_per_ms: 10.0,
+                        },
+                        &router,
+                    );
+                    let insight_elapsed = started.elapsed();
                     router.report(Outcome {
                         pick_id: d.pick_id,
                         ..Outcome::default()
                     });
                     if i >= 100 {
                         took.push(elapsed);
+                        insight_took.push(insight_elapsed);
                     }
                 }
                 took.sort();
+                insight_took.sort();
                 println!(
-                    "| {entries} | {workers} | {request_blocks} | {:.1} µs | {:.1} µs | {bytes_per_entry:.1} |",
+                    "| {entries} | {workers} | {request_blocks} | {:.1} µs | {:.1} µs | {bytes_per_entry:.1} | {:.1} µs | {:.1} µs |",
                     percentile(&took, 0.5),
-                    percentile(&took, 0.99)
+                    percentile(&took, 0.99),
+                    percentile(&insight_took, 0.5),
+                    percentile(&insight_took, 0.99)
                 );
             }
         }

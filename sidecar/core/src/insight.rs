@@ -537,7 +537,7 @@ impl Insights {
                     moved = Some(reason);
                 }
             }
-            if !prev.blocks.is_empty() && common < prev.blocks.len() {
+            if !prev.blocks.is_empty() && common < prev.blocks.len() && !grew_in_place(prev, call) {
                 broke = Some((common, break_section(prev, call, common)));
             }
         }
@@ -836,6 +836,21 @@ fn break_section(prev: &Trace, call: &Call<'_>, block: usize) -> (SectionKind, u
         .map_or((SectionKind::Other, 0), |s| (s.kind, s.index))
 }
 
+/// Every part of the previous call is unchanged but its last, which the
+/// current call continues at the same place: a prompt string or a single
+/// message that grows (a completions prompt, a text trace). Its closing
+/// bytes move, so a block or two differ, but nothing before it changed.
+fn grew_in_place(prev: &Trace, call: &Call<'_>) -> bool {
+    let Some((last, earlier)) = prev.sections.split_last() else {
+        return false;
+    };
+    call.sections.len() >= prev.sections.len()
+        && call.sections[..earlier.len()] == *earlier
+        && call.sections.get(earlier.len()).is_some_and(|s| {
+            (s.kind, s.index, s.start) == (last.kind, last.index, last.start)
+        })
+}
+
 fn record_break(breaks: &mut HashMap<BreakPoint, BreakStats>, point: BreakPoint, block: u64, limit: usize) {
     if !breaks.contains_key(&point) && breaks.len() >= limit {
         // Full: the rarest point makes room (a new one starts from its count,
@@ -1045,6 +1060,24 @@ mod tests {
                 .iter()
                 .any(|(p, _)| (p.kind, p.index) == (SectionKind::Message, 1))
         );
+    }
+
+    #[test]
+    fn a_last_part_that_grows_in_place_is_no_break() {
+        let mut insights = Insights::new(InsightConfig::default());
+        let fleet = Fleet::default();
+        let prompt = |digest| [section(SectionKind::Message, 0, 0, digest)];
+        // A completions prompt that grows: its closing quote moves, so the
+        // last full block of the first call differs in the second.
+        insights.on_pick(&call(1, "p", "other", &[1, 2, 3], &prompt(1), 350, 0), &placed(0, 0, 0), &fleet);
+        insights.on_pick(&call(2, "p", "other", &[1, 2, 9, 10], &prompt(2), 450, 1), &placed(0, 2, 2), &fleet);
+        assert!(insights.break_points().is_empty());
+        // Changing an earlier part is a break even if the last one grows.
+        let two = |a, b| [section(SectionKind::System, 0, 0, a), section(SectionKind::Message, 1, 100, b)];
+        insights.on_pick(&call(3, "q", "other", &[1, 2, 3], &two(1, 1), 350, 2), &placed(0, 0, 0), &fleet);
+        insights.on_pick(&call(4, "q", "other", &[5, 6, 7, 8], &two(2, 2), 450, 3), &placed(0, 0, 0), &fleet);
+        assert_eq!(insights.break_points().len(), 1);
+        assert_eq!(insights.break_points()[0].0.kind, SectionKind::System);
     }
 
     #[test]

@@ -245,6 +245,20 @@ async fn insights_name_the_timestamp_breaker_and_match_hand_computed_figures() -
         (0..CALLS).map(|c| scripts[1].repeated_bytes(c)).sum::<usize>() as f64
     );
 
+    // Each idle session's hold on its worker: both sessions, on the worker
+    // their last call went to, with their KV bytes and recompute cost.
+    let sessions: Value =
+        serde_json::from_str(&fetch(&http, &format!("http://{}/debug/sessions", cluster.sidecar_admin)).await?)?;
+    for (session, harness) in [("claw-session-1", "openclaw"), ("codex-session-1", "codex")] {
+        let idle = sessions["idle"]
+            .as_array()
+            .and_then(|all| all.iter().find(|s| s["session"] == session))
+            .with_context(|| format!("{session} not idle in {sessions:#}"))?;
+        assert_eq!(idle["harness"], harness);
+        assert!(idle["kv_bytes"].as_f64().is_some_and(|b| b > 0.0), "{idle}");
+        assert!(idle["recompute_ms"].as_f64().is_some(), "{idle}");
+    }
+
     // The report command prints the same, and no prompt text anywhere.
     let sidecar = paths::binary("kvmesh-sidecar", Profile::Debug)?;
     let admin = format!("http://{}", cluster.sidecar_admin);

@@ -83,7 +83,30 @@ async fn sessions(State(shared): State<Shared>) -> impl IntoResponse {
     // A page of the most recent; the count is the whole table.
     let total = sessions.len();
     sessions.truncate(1000);
-    axum::Json(serde_json::json!({ "count": total, "sessions": sessions }))
+    // What idle sessions hold while their agents wait on tools.
+    let idle = shared.insights().idle_sessions(now, &*router);
+    let idle_count = idle.len();
+    let idle: Vec<serde_json::Value> = idle
+        .into_iter()
+        .take(1000)
+        .map(|s| {
+            serde_json::json!({
+                "session": s.session,
+                "model": s.model,
+                "harness": s.harness,
+                "worker": router.address(s.worker),
+                "kv_bytes": s.kv_bytes.round(),
+                "idle_ms": s.idle_ms,
+                "recompute_ms": s.recompute_ms.round(),
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({
+        "count": total,
+        "sessions": sessions,
+        "idle_count": idle_count,
+        "idle": idle,
+    }))
 }
 
 #[derive(Debug, serde::Deserialize)]

@@ -213,7 +213,13 @@ struct Builder<'e, 'a> {
 impl Builder<'_, '_> {
     /// Appends one part; on a cut body, a part that does not scan ends the
     /// stream (what came before it is kept).
-    fn part(&mut self, name: &[u8], kind: SectionKind, index: u32, value: Range<usize>) -> Result<bool, CanonicalError> {
+    fn part(
+        &mut self,
+        name: &[u8],
+        kind: SectionKind,
+        index: u32,
+        value: Range<usize>,
+    ) -> Result<bool, CanonicalError> {
         if self.out.len() >= self.limit {
             self.truncated = true;
             return Ok(false);

@@ -41,7 +41,13 @@ pub enum Harness {
 }
 
 impl Harness {
-    pub const ALL: [Self; 5] = [Self::ClaudeCode, Self::Codex, Self::OpenCode, Self::OpenClaw, Self::Other];
+    pub const ALL: [Self; 5] = [
+        Self::ClaudeCode,
+        Self::Codex,
+        Self::OpenCode,
+        Self::OpenClaw,
+        Self::Other,
+    ];
 
     /// Stable lowercase name, for the wire and for metric labels.
     pub fn name(self) -> &'static str {

@@ -259,7 +259,10 @@ fn the_next_turn_keeps_every_section_and_a_changed_part_is_named() {
             assert_eq!(second[..first.len()], first[..], "{}: a section changed", f.name);
             assert!(second.len() > first.len(), "{}", f.name);
             let last = second.last().unwrap();
-            assert_eq!((last.kind, last.index as usize), (SectionKind::Message, second_items(&f) - 1));
+            assert_eq!(
+                (last.kind, last.index as usize),
+                (SectionKind::Message, second_items(&f) - 1)
+            );
         }
         let system_kind = if f.system_pointer.starts_with("/prompt") {
             SectionKind::Message

@@ -39,7 +39,9 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let entry_counts: &[u64] = if quick { &[100_000] } else { &[1_000_000, 10_000_000] };
-    println!("| indexed entries | workers | request blocks | median | p99 | bytes per entry | insights median | insights p99 |");
+    println!(
+        "| indexed entries | workers | request blocks | median | p99 | bytes per entry | insights median | insights p99 |"
+    );
     println!("|---|---|---|---|---|---|---|---|");
     for &entries in entry_counts {
         for workers in [8usize, 64, 512] {

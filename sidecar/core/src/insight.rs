@@ -348,6 +348,19 @@ pub struct Retention {
     pub max_idle_ms: u64,
 }
 
+/// One idle session's hold on its worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IdleSession {
+    pub session: String,
+    pub model: String,
+    pub harness: &'static str,
+    pub worker: WorkerId,
+    pub kv_bytes: f64,
+    pub idle_ms: u64,
+    /// Prefill time to rebuild it if it were evicted.
+    pub recompute_ms: f64,
+}
+
 /// A session's last call, to compare its next one with.
 #[derive(Debug, Clone)]
 struct Trace {
@@ -721,6 +734,38 @@ impl Insights {
         self.retention = retention;
     }
 
+    /// Each idle session whose prefix its worker still holds, largest first:
+    /// (session, model, harness, worker, KV bytes, idle ms, recompute ms).
+    pub fn idle_sessions(&self, now_ms: u64, fleet: &impl FleetView) -> Vec<IdleSession> {
+        let mut idle: Vec<IdleSession> = self
+            .traces
+            .iter()
+            .filter_map(|(key, t)| {
+                let since = t.idle_since_ms?;
+                let worker = t.worker?;
+                if !held(t, fleet) {
+                    return None;
+                }
+                let (session, model) = key.split_once('\u{0}').unwrap_or((key.as_str(), ""));
+                Some(IdleSession {
+                    session: session.to_owned(),
+                    model: model.to_owned(),
+                    harness: Self::harness_name(t.label.harness),
+                    worker,
+                    kv_bytes: t.held_tokens * self.config.kv_bytes_per_token,
+                    idle_ms: now_ms.saturating_sub(since),
+                    recompute_ms: t.held_tokens / t.prefill_tokens_per_ms.max(0.1),
+                })
+            })
+            .collect();
+        idle.sort_by(|a, b| {
+            b.kv_bytes
+                .total_cmp(&a.kv_bytes)
+                .then_with(|| a.session.cmp(&b.session))
+        });
+        idle
+    }
+
     /// Cumulative totals per label.
     pub fn totals(&self) -> impl Iterator<Item = (LabelId, &Totals)> {
         self.totals.iter().map(|(l, t)| (*l, t))
@@ -846,9 +891,10 @@ fn grew_in_place(prev: &Trace, call: &Call<'_>) -> bool {
     };
     call.sections.len() >= prev.sections.len()
         && call.sections[..earlier.len()] == *earlier
-        && call.sections.get(earlier.len()).is_some_and(|s| {
-            (s.kind, s.index, s.start) == (last.kind, last.index, last.start)
-        })
+        && call
+            .sections
+            .get(earlier.len())
+            .is_some_and(|s| (s.kind, s.index, s.start) == (last.kind, last.index, last.start))
 }
 
 fn record_break(breaks: &mut HashMap<BreakPoint, BreakStats>, point: BreakPoint, block: u64, limit: usize) {
@@ -1005,6 +1051,13 @@ mod tests {
         insights.tick(70_000, &fleet);
         let t = totals_of(&insights, "claude_code");
         assert_eq!(t.idle_kv_byte_ms, 100.0 * 1000.0 * 4_000.0 + 150.0 * 1000.0 * 60_000.0);
+        let idle = insights.idle_sessions(70_000, &fleet);
+        assert_eq!(idle.len(), 1);
+        assert_eq!((idle[0].session.as_str(), idle[0].model.as_str()), ("a", "m"));
+        assert_eq!(
+            (idle[0].kv_bytes, idle[0].idle_ms, idle[0].recompute_ms),
+            (150_000.0, 60_000, 15.0)
+        );
         let (_, r) = insights.retention().next().unwrap();
         assert_eq!(r.idle_sessions, 1);
         assert_eq!(r.kv_bytes, 150_000.0);
@@ -1069,13 +1122,34 @@ mod tests {
         let prompt = |digest| [section(SectionKind::Message, 0, 0, digest)];
         // A completions prompt that grows: its closing quote moves, so the
         // last full block of the first call differs in the second.
-        insights.on_pick(&call(1, "p", "other", &[1, 2, 3], &prompt(1), 350, 0), &placed(0, 0, 0), &fleet);
-        insights.on_pick(&call(2, "p", "other", &[1, 2, 9, 10], &prompt(2), 450, 1), &placed(0, 2, 2), &fleet);
+        insights.on_pick(
+            &call(1, "p", "other", &[1, 2, 3], &prompt(1), 350, 0),
+            &placed(0, 0, 0),
+            &fleet,
+        );
+        insights.on_pick(
+            &call(2, "p", "other", &[1, 2, 9, 10], &prompt(2), 450, 1),
+            &placed(0, 2, 2),
+            &fleet,
+        );
         assert!(insights.break_points().is_empty());
         // Changing an earlier part is a break even if the last one grows.
-        let two = |a, b| [section(SectionKind::System, 0, 0, a), section(SectionKind::Message, 1, 100, b)];
-        insights.on_pick(&call(3, "q", "other", &[1, 2, 3], &two(1, 1), 350, 2), &placed(0, 0, 0), &fleet);
-        insights.on_pick(&call(4, "q", "other", &[5, 6, 7, 8], &two(2, 2), 450, 3), &placed(0, 0, 0), &fleet);
+        let two = |a, b| {
+            [
+                section(SectionKind::System, 0, 0, a),
+                section(SectionKind::Message, 1, 100, b),
+            ]
+        };
+        insights.on_pick(
+            &call(3, "q", "other", &[1, 2, 3], &two(1, 1), 350, 2),
+            &placed(0, 0, 0),
+            &fleet,
+        );
+        insights.on_pick(
+            &call(4, "q", "other", &[5, 6, 7, 8], &two(2, 2), 450, 3),
+            &placed(0, 0, 0),
+            &fleet,
+        );
         assert_eq!(insights.break_points().len(), 1);
         assert_eq!(insights.break_points()[0].0.kind, SectionKind::System);
     }

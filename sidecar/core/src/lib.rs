@@ -12,8 +12,8 @@ mod sessions;
 
 pub use index::PrefixIndex;
 pub use insight::{
-    BreakPoint, BreakStats, Call, FleetView, HARNESSES, InsightConfig, Insights, LabelId, MoveReason, NO_TENANT,
-    OTHER_TENANT, Placed, PromptSection, Report, Retention, SectionKind, Totals,
+    BreakPoint, BreakStats, Call, FleetView, HARNESSES, IdleSession, InsightConfig, Insights, LabelId, MoveReason,
+    NO_TENANT, OTHER_TENANT, Placed, PromptSection, Report, Retention, SectionKind, Totals,
 };
 pub use lru::Lru;
 pub use router::{

@@ -370,8 +370,21 @@ impl Cluster {
     }
 
     /// A sample from the sidecar's Prometheus `/metrics`, by its exact
-    /// series name with labels, e.g. `kvmesh_reports_total{known="true"}`.
+    /// series name with labels, e.g. `kvmesh_reports_total{known="true"}`;
+    /// 0 when the series is not exported (yet).
     pub async fn sidecar_metric(&self, series: &str) -> anyhow::Result<f64> {
+        Ok(self.sidecar_sample(series).await?.unwrap_or(0.0))
+    }
+
+    /// Like `sidecar_metric`, but a series that is not exported is an error
+    /// (so a zero is a real zero).
+    pub async fn sidecar_metric_required(&self, series: String) -> anyhow::Result<f64> {
+        self.sidecar_sample(&series)
+            .await?
+            .with_context(|| format!("no series {series} in the sidecar's /metrics"))
+    }
+
+    async fn sidecar_sample(&self, series: &str) -> anyhow::Result<Option<f64>> {
         let text = self
             .http
             .get(format!("http://{}/metrics", self.sidecar_admin))
@@ -382,24 +395,7 @@ impl Cluster {
         Ok(text
             .lines()
             .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0.0))
-    }
-
-    /// Like `sidecar_metric`, but a series that is not exported is an error
-    /// (so a zero is a real zero).
-    pub async fn sidecar_metric_required(&self, series: String) -> anyhow::Result<f64> {
-        let text = self
-            .http
-            .get(format!("http://{}/metrics", self.sidecar_admin))
-            .send()
-            .await?
-            .text()
-            .await?;
-        text.lines()
-            .find_map(|line| line.strip_prefix(series.as_str())?.strip_prefix(' '))
-            .and_then(|v| v.trim().parse().ok())
-            .with_context(|| format!("no series {series} in the sidecar's /metrics"))
+            .and_then(|v| v.trim().parse().ok()))
     }
 
     /// Polls until every worker's in-flight count is back to zero (outcome

@@ -50,6 +50,19 @@ struct Completion {
     ttft: f64,
 }
 
+impl Completion {
+    /// The outcome as the filter would report it, to the insight ledger.
+    fn report_to(&self, insights: &mut Insights, prepared: &[Prepared]) {
+        insights.on_outcome(
+            self.index as u64,
+            Some(prepared[self.index].prompt_tokens),
+            Some(self.cached),
+            Some(WorkerId(self.worker)),
+            self.end as u64,
+        );
+    }
+}
+
 impl PartialEq for Completion {
     fn eq(&self, other: &Self) -> bool {
         self.end == other.end && self.index == other.index
@@ -149,15 +162,8 @@ fn run_policy(
         }
         while pending.peek().is_some_and(|c| c.end <= now) {
             if let Some(c) = pending.pop() {
-                let done = &prepared[c.index];
-                policy.completed(c.worker, done, c.cached, c.ttft);
-                insights.on_outcome(
-                    c.index as u64,
-                    Some(done.prompt_tokens),
-                    Some(c.cached),
-                    Some(WorkerId(c.worker)),
-                    c.end as u64,
-                );
+                policy.completed(c.worker, &prepared[c.index], c.cached, c.ttft);
+                c.report_to(&mut insights, prepared);
             }
         }
         let w = policy.pick(r, &world.view(now)).min(options.workers - 1);
@@ -234,14 +240,7 @@ fn run_policy(
     }
     // The rest finish, then idle sessions are charged up to the end.
     while let Some(c) = pending.pop() {
-        let done = &prepared[c.index];
-        insights.on_outcome(
-            c.index as u64,
-            Some(done.prompt_tokens),
-            Some(c.cached),
-            Some(WorkerId(c.worker)),
-            c.end as u64,
-        );
+        c.report_to(&mut insights, prepared);
     }
     let end_ms = served.iter().map(|s| s.end_ms).fold(0.0, f64::max);
     insights.tick(

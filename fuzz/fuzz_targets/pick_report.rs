@@ -1,9 +1,11 @@
 //! The sidecar's side of the wire: arbitrary bytes decoded as Pick and
-//! Outcome messages and fed to the routing core, as the gRPC service does:
-//! never a panic, and in-flight counts never underflow.
+//! Outcome messages and fed to the routing core and the insight ledger, as
+//! the gRPC service does: never a panic, and in-flight counts never underflow.
 #![no_main]
 
-use kvmesh_core::{Outcome, PickInput, Router, RouterConfig};
+use kvmesh_core::{
+    Call, InsightConfig, Insights, Outcome, PickInput, Placed, PromptSection, Router, RouterConfig, SectionKind,
+};
 use kvmesh_proto::v1;
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
@@ -18,6 +20,15 @@ fuzz_target!(|data: &[u8]| {
         },
         ["10.0.0.1:1".to_owned(), "10.0.0.2:1".to_owned()],
     );
+    let mut insights = Insights::new(InsightConfig {
+        max_sessions: 8,
+        max_pending: 8,
+        break_points: 4,
+        tenant_labels: 2,
+        buckets: 4,
+        bucket_ms: 2_000,
+        ..InsightConfig::default()
+    });
     // Messages are length-prefixed by one byte in the input.
     let mut rest = data;
     let mut now = 0;
@@ -40,6 +51,46 @@ fuzz_target!(|data: &[u8]| {
                 now_ms: now,
             });
             assert!(decision.ranked.len() <= 3);
+            let sections: Vec<PromptSection> = pick
+                .sections
+                .iter()
+                .map(|s| PromptSection {
+                    kind: [
+                        SectionKind::Tools,
+                        SectionKind::System,
+                        SectionKind::Message,
+                        SectionKind::Other,
+                    ][(s.kind.unsigned_abs() % 4) as usize],
+                    index: s.index,
+                    start: s.start_byte,
+                    digest: s.digest,
+                })
+                .collect();
+            let partial = usize::from(pick.last_block_partial && !pick.block_hashes.is_empty());
+            let chosen = decision.ranked.first().copied();
+            insights.on_pick(
+                &Call {
+                    pick_id: decision.pick_id,
+                    routing_key: &pick.session_id,
+                    model: &pick.model,
+                    harness: &pick.harness,
+                    tenant: &pick.tenant,
+                    full_blocks: &pick.block_hashes[..pick.block_hashes.len() - partial],
+                    sections: &sections,
+                    prompt_bytes: pick.prompt_bytes,
+                    block_bytes: pick.block_bytes,
+                    truncated: pick.truncated,
+                    bytes_per_token: router.bytes_per_token(&pick.model),
+                    now_ms: now,
+                },
+                &Placed {
+                    worker: chosen,
+                    predicted_blocks: decision.predicted_cached_blocks as usize,
+                    reachable_blocks: decision.best_overlap as usize,
+                    prefill_tokens_per_ms: chosen.map_or(0.0, |w| router.prefill_tokens_per_ms(w)),
+                },
+                &router,
+            );
         }
         if let Ok(outcome) = v1::Outcome::decode(message) {
             router.report(Outcome {
@@ -48,7 +99,18 @@ fuzz_target!(|data: &[u8]| {
                 cached_tokens: outcome.cached_tokens,
                 ttfb_ms: outcome.ttfb_ms,
             });
+            let served = router.worker_id(&outcome.destination);
+            insights.on_outcome(
+                outcome.pick_id,
+                outcome.prompt_tokens,
+                outcome.cached_tokens,
+                served,
+                now,
+            );
         }
+        insights.tick(now, &router);
     }
+    let report = insights.report(now, 60_000);
+    assert!(report.rows.iter().all(|r| r.2.repeated_prefix_share() <= 1.0));
     assert!(router.workers().iter().all(|w| w.in_flight <= 8));
 });

@@ -557,7 +557,9 @@ impl Insights {
         let continuing = previous.is_some_and(|p| p.worker.is_some()) && placed.worker.is_some();
         let checked = previous.is_some_and(|p| !p.blocks.is_empty());
         let repeated = common.max(placed.reachable_blocks);
-        let repeated_bytes = (repeated as u64 * u64::from(call.block_bytes.max(1))).min(call.prompt_bytes);
+        let repeated_bytes = (repeated as u64)
+            .saturating_mul(u64::from(call.block_bytes.max(1)))
+            .min(call.prompt_bytes);
         self.count(label, now, |t| {
             t.calls += 1;
             t.prompt_bytes += call.prompt_bytes;
@@ -872,7 +874,7 @@ fn break_section(prev: &Trace, call: &Call<'_>, block: usize) -> (SectionKind, u
             .flatten()
     };
     let by_block = || {
-        let byte = block as u64 * u64::from(call.block_bytes.max(1));
+        let byte = (block as u64).saturating_mul(u64::from(call.block_bytes.max(1)));
         call.sections.iter().rev().find(|s| s.start <= byte)
     };
     changed

@@ -151,6 +151,7 @@ fn the_parameters_reach_every_resource() -> anyhow::Result<()> {
     params["data"]["gpuService"] = "sglang".into();
     params["data"]["namespace"] = "inference".into();
     params["data"]["port"] = "30000".into();
+    params["data"]["enginePort"] = "31000".into();
     params["data"]["gpuApp"] = "sglang-server".into();
     params["data"]["model"] = "llama-3.3-70b".into();
     params["data"]["proxyNamespace"] = "assistants".into();
@@ -200,14 +201,14 @@ fn the_parameters_reach_every_resource() -> anyhow::Result<()> {
     let env = env_of(deployment);
     assert_eq!(
         env.get("KVMESH_WORKER_DNS").map(String::as_str),
-        Some("kvmesh-workers.inference.svc.cluster.local:30000")
+        Some("kvmesh-workers.inference.svc.cluster.local:31000")
     );
     assert_eq!(env.get("KVMESH_CLUSTER").map(String::as_str), Some("llama-3.3-70b"));
     let workers = resource(&docs, "Service", "kvmesh-workers")?;
     assert_eq!(workers["spec"]["clusterIP"].as_str(), Some("None"));
     assert_eq!(workers["spec"]["selector"]["app"].as_str(), Some("sglang-server"));
-    assert_eq!(workers["spec"]["ports"][0]["port"].as_u64(), Some(30000));
-    assert_eq!(workers["spec"]["ports"][0]["targetPort"].as_u64(), Some(30000));
+    assert_eq!(workers["spec"]["ports"][0]["port"].as_u64(), Some(31000));
+    assert_eq!(workers["spec"]["ports"][0]["targetPort"].as_u64(), Some(31000));
     // Nothing of the shipped example values is left anywhere.
     for leftover in ["vllm", ".llm.", "8000", "qwen3", "agents"] {
         assert!(!rendered.contains(leftover), "{leftover:?} left in:\n{rendered}");
@@ -375,5 +376,58 @@ fn the_real_sidecar_accepts_the_shipped_configuration() -> anyhow::Result<()> {
     process.stop();
     let _ = std::fs::remove_dir_all(&dir);
     started.map_err(|e| anyhow::anyhow!("{e}:\n{log}"))?;
+    Ok(())
+}
+
+#[test]
+fn the_pod_patch_mounts_the_module_where_the_envoyfilter_loads_it() -> anyhow::Result<()> {
+    // The shipped patch, applied by kustomize to a typical agent Deployment.
+    let root = std::env::temp_dir().join(format!("kvmesh-istio-podpatch-{}", std::process::id()));
+    std::fs::create_dir_all(&root)?;
+    // `kubectl patch --patch-file` takes the body alone; kustomize wants the
+    // resource's identity with it.
+    let patch = std::fs::read_to_string(istio::istio_dir().join("examples/proxy-wasm-volume-patch.yaml"))?;
+    std::fs::write(
+        root.join("patch.yaml"),
+        format!("apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: agent}}\n{patch}"),
+    )?;
+    std::fs::write(
+        root.join("agent.yaml"),
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: agent, namespace: agents}\n\
+         spec:\n  selector: {matchLabels: {app: agent}}\n  template:\n    metadata: {labels: {app: agent}}\n\
+         \x20   spec: {containers: [{name: agent, image: agent:1}]}\n",
+    )?;
+    std::fs::write(
+        root.join("kustomization.yaml"),
+        "resources: [agent.yaml]\npatches:\n- path: patch.yaml\n  target: {kind: Deployment, name: agent}\n",
+    )?;
+    let rendered = istio::kustomize(&root);
+    let _ = std::fs::remove_dir_all(&root);
+    let rendered = rendered?;
+    let (ok, log) = istio::validate(&rendered)?;
+    assert!(ok, "{log}");
+    let docs = documents(&rendered)?;
+    let annotations = &resource(&docs, "Deployment", "agent")?["spec"]["template"]["metadata"]["annotations"];
+    let volume: serde_json::Value =
+        serde_json::from_str(annotations["sidecar.istio.io/userVolume"].as_str().unwrap_or_default())?;
+    let mount: serde_json::Value = serde_json::from_str(
+        annotations["sidecar.istio.io/userVolumeMount"]
+            .as_str()
+            .unwrap_or_default(),
+    )?;
+    assert_eq!(volume["kvmesh-filter"]["configMap"]["name"], "kvmesh-filter");
+    let dir = mount["kvmesh-filter"]["mountPath"].as_str().unwrap_or_default();
+
+    // The EnvoyFilter loads <mountPath>/kvmesh_filter.wasm, the ConfigMap key
+    // docs/deploy-istio.md creates.
+    let docs = documents(&istio::render_overlay("sidecar")?)?;
+    let filter = istio::patch_value(&docs, "HTTP_FILTER", "INSERT_BEFORE")?;
+    assert_eq!(
+        filter["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"].as_str(),
+        Some(format!("{dir}/kvmesh_filter.wasm").as_str())
+    );
+    let guide = std::fs::read_to_string(paths::repo_root().join("docs/deploy-istio.md"))?;
+    assert!(guide.contains("create configmap kvmesh-filter"));
+    assert!(guide.contains("--from-file=kvmesh_filter.wasm="));
     Ok(())
 }

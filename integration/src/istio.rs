@@ -183,7 +183,8 @@ pub fn point_cluster_at(cluster: &mut Value, addr: std::net::SocketAddr) -> anyh
 /// outbound listener, route and cluster of the GPU Service:
 ///
 /// - the HTTP_FILTER INSERT_BEFORE value goes before the router;
-/// - the LISTENER MERGE value merges into the listener;
+/// - the LISTENER MERGE value merges into the listener, the NETWORK_FILTER
+///   MERGE value into its HTTP connection manager;
 /// - the HTTP_ROUTE MERGE value, if any, merges into the route;
 /// - the CLUSTER MERGE value merges into a STATIC `gpu_workers` cluster with
 ///   Istio's default `lb_policy` (LEAST_REQUEST), which it must override;
@@ -197,6 +198,7 @@ pub fn bootstrap_from_manifests(rendered: &str) -> anyhow::Result<Value> {
     let listener_patch = patch_value(&docs, "LISTENER", "MERGE")?;
     let cluster_patch = patch_value(&docs, "CLUSTER", "MERGE")?;
     let route_patch = patch_value(&docs, "HTTP_ROUTE", "MERGE").ok();
+    let hcm_patch = patch_value(&docs, "NETWORK_FILTER", "MERGE")?;
 
     let mut route = yaml("{match: {prefix: /}, route: {cluster: gpu_workers}}")?;
     if let Some(patch) = &route_patch {
@@ -220,6 +222,7 @@ typed_config:
     )?;
     hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"] = Value::Sequence(vec![route]);
     hcm["typed_config"]["http_filters"] = Value::Sequence(vec![filter, router]);
+    proto_merge(&mut hcm, &hcm_patch);
     let mut listener = yaml("{name: agents, address: {socket_address: {address: 127.0.0.1, port_value: 10000}}}")?;
     listener["filter_chains"] = yaml("[{filters: []}]")?;
     listener["filter_chains"][0]["filters"] = Value::Sequence(vec![hcm]);

@@ -282,6 +282,22 @@ fn the_standalone_envoy_yaml_carries_what_the_envoyfilters_patch_in() -> anyhow:
             ))?,
             "{overlay}"
         );
+        // The HTTP connection manager's stream idle timeout.
+        let hcm_merge = istio::patch_value(&docs, "NETWORK_FILTER", "MERGE")?;
+        let mut hcm_keys: Vec<&str> = hcm_merge["typed_config"]
+            .as_mapping()
+            .into_iter()
+            .flatten()
+            .filter_map(|(k, _)| k.as_str())
+            .collect();
+        hcm_keys.sort_unstable();
+        assert_eq!(hcm_keys, ["@type", "stream_idle_timeout"], "{overlay}");
+        for key in hcm_keys {
+            assert_eq!(
+                hcm_merge["typed_config"][key], hcm[key],
+                "{overlay}: connection manager {key}"
+            );
+        }
         // The route's retry policy and timeout (gateways take theirs from
         // their VirtualService, docs/deploy-istio.md).
         if overlay == "gateway" {

@@ -184,12 +184,13 @@ fn the_parameters_reach_every_resource() -> anyhow::Result<()> {
         Some("kvmesh-sidecar.inference.svc.cluster.local")
     );
     assert_eq!(patches[2]["match"]["listener"]["portNumber"].as_u64(), Some(30000));
+    assert_eq!(patches[3]["match"]["listener"]["portNumber"].as_u64(), Some(30000));
     assert_eq!(
-        patches[3]["match"]["routeConfiguration"]["portNumber"].as_u64(),
+        patches[4]["match"]["routeConfiguration"]["portNumber"].as_u64(),
         Some(30000)
     );
     assert_eq!(
-        patches[3]["match"]["routeConfiguration"]["vhost"]["name"].as_str(),
+        patches[4]["match"]["routeConfiguration"]["vhost"]["name"].as_str(),
         Some("sglang.inference.svc.cluster.local:30000")
     );
     let filter = resource(&docs, "EnvoyFilter", "kvmesh-filter")?;

@@ -48,7 +48,10 @@ fn set(docs: &mut [Value], kind: &str, name: &str, edit: impl FnOnce(&mut Value)
     let doc = docs
         .iter_mut()
         .find(|d| d["kind"].as_str() == Some(kind) && d["metadata"]["name"].as_str() == Some(name));
-    edit(doc.unwrap_or_else(|| panic!("no {kind}/{name}")));
+    assert!(doc.is_some(), "no {kind}/{name}");
+    if let Some(doc) = doc {
+        edit(doc);
+    }
 }
 
 fn to_yaml(docs: &[Value]) -> anyhow::Result<String> {

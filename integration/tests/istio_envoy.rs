@@ -18,11 +18,26 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// The bootstrap of an overlay, rendered for loopback: workers, the sidecar
 /// and (for a remote module) the module server at the given addresses.
 fn bootstrap(overlay: &str, module_server: Option<SocketAddr>, sha256: Option<&str>) -> anyhow::Result<String> {
+    bootstrap_with(overlay, module_server, sha256, None)
+}
+
+/// As `bootstrap`, optionally with fewer module fetch retries.
+fn bootstrap_with(
+    overlay: &str,
+    module_server: Option<SocketAddr>,
+    sha256: Option<&str>,
+    fetch_retries: Option<u64>,
+) -> anyhow::Result<String> {
     let mut doc = istio::bootstrap_from_manifests(&istio::render_overlay(overlay)?)?;
-    let code = &mut doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-        [0]["typed_config"]["config"]["vm_config"]["code"];
-    if let (Some(sha), Some(remote)) = (sha256, code.get_mut("remote")) {
-        remote["sha256"] = sha.into();
+    let filter = &mut doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+        [0];
+    if let Some(remote) = filter["typed_config"]["config"]["vm_config"]["code"].get_mut("remote") {
+        if let Some(sha) = sha256 {
+            remote["sha256"] = sha.into();
+        }
+        if let Some(retries) = fetch_retries {
+            remote["retry_policy"]["num_retries"] = retries.into();
+        }
     }
     if let Some(server) = module_server {
         let clusters = doc["static_resources"]["clusters"]
@@ -195,7 +210,14 @@ async fn a_remote_module_with_the_wrong_digest_is_not_loaded() -> anyhow::Result
     let wrong = sha256_hex(b"not the module");
     let (server, task) = serve(wasm).await?;
     let cluster = Cluster::start(ClusterOptions {
-        envoy_template: Some(bootstrap("sidecar-remote-module", Some(server), Some(&wrong))?),
+        // One retry instead of five: Envoy only becomes ready once it gave
+        // up, and its backoff grows with every retry.
+        envoy_template: Some(bootstrap_with(
+            "sidecar-remote-module",
+            Some(server),
+            Some(&wrong),
+            Some(1),
+        )?),
         ..ClusterOptions::default()
     })
     .await;

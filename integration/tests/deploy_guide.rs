@@ -154,7 +154,14 @@ fn every_command_of_the_istio_guide_that_needs_no_cluster_runs() -> anyhow::Resu
     // and the module's ConfigMap lands where the EnvoyFilters patch.
     let install = documents(&outputs.0?)?;
     let filter = istio::resource(&install, "EnvoyFilter", "kvmesh-filter")?;
-    let module = documents(&outputs.1?)?;
+    let module = outputs.1?;
+    // A ConfigMap holds at most 1 MiB.
+    assert!(
+        module.len() < 1 << 20,
+        "the module's ConfigMap is {} bytes",
+        module.len()
+    );
+    let module = documents(&module)?;
     let config_map = istio::resource(&module, "ConfigMap", "kvmesh-filter")?;
     assert_eq!(config_map["metadata"]["namespace"], filter["metadata"]["namespace"]);
     assert!(config_map["binaryData"]["kvmesh_filter.wasm"].is_string());

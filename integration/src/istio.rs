@@ -111,12 +111,18 @@ pub fn config_patches(docs: &[Value]) -> Vec<&Value> {
 
 /// The `patch.value` of the one patch applying to `apply_to` with `operation`.
 pub fn patch_value(docs: &[Value], apply_to: &str, operation: &str) -> anyhow::Result<Value> {
+    optional_patch_value(docs, apply_to, operation)?.ok_or_else(|| anyhow!("no {apply_to} {operation} patch"))
+}
+
+/// As `patch_value`, `None` when there is no such patch (more than one is an error).
+pub fn optional_patch_value(docs: &[Value], apply_to: &str, operation: &str) -> anyhow::Result<Option<Value>> {
     let found: Vec<&Value> = config_patches(docs)
         .into_iter()
         .filter(|p| p["applyTo"].as_str() == Some(apply_to) && p["patch"]["operation"].as_str() == Some(operation))
         .collect();
     match found.as_slice() {
-        [one] => Ok(one["patch"]["value"].clone()),
+        [] => Ok(None),
+        [one] => Ok(Some(one["patch"]["value"].clone())),
         _ => bail!("{} {apply_to} {operation} patches, expected one", found.len()),
     }
 }
@@ -197,7 +203,7 @@ pub fn bootstrap_from_manifests(rendered: &str) -> anyhow::Result<Value> {
     let filter = patch_value(&docs, "HTTP_FILTER", "INSERT_BEFORE")?;
     let listener_patch = patch_value(&docs, "LISTENER", "MERGE")?;
     let cluster_patch = patch_value(&docs, "CLUSTER", "MERGE")?;
-    let route_patch = patch_value(&docs, "HTTP_ROUTE", "MERGE").ok();
+    let route_patch = optional_patch_value(&docs, "HTTP_ROUTE", "MERGE")?;
     let hcm_patch = patch_value(&docs, "NETWORK_FILTER", "MERGE")?;
 
     let mut route = yaml("{match: {prefix: /}, route: {cluster: gpu_workers}}")?;

@@ -131,6 +131,8 @@ fn every_command_of_the_istio_guide_that_needs_no_cluster_runs() -> anyhow::Resu
         let out = Command::new("bash")
             .args(["-euo", "pipefail", "-c", block])
             .current_dir(&dir)
+            // No kubeconfig: nothing may reach a cluster, even on a machine with one.
+            .env("KUBECONFIG", dir.join("no-kubeconfig"))
             .output()?;
         if !out.status.success() {
             failure = Some(format!(

@@ -109,8 +109,9 @@ fn every_overlay_gives_a_config_the_real_envoy_accepts() -> anyhow::Result<()> {
 }
 
 /// An agent session through the Istio configuration: it sticks to one
-/// worker, whose cache the engine confirms, and a dead pick moves on.
-async fn session_sticks_and_reuses_its_cache(cluster: &mut Cluster) -> anyhow::Result<()> {
+/// worker, whose cache the engine confirms, and (with the route's retry
+/// policy) a dead pick moves on.
+async fn session_sticks_and_reuses_its_cache(cluster: &mut Cluster, retries: bool) -> anyhow::Result<()> {
     let session = AgentSession::new("acme/istio");
     let mut workers = Vec::new();
     let mut cached = Vec::new();
@@ -131,6 +132,9 @@ async fn session_sticks_and_reuses_its_cache(cluster: &mut Cluster) -> anyhow::R
     }
     assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.picks").await?, 8);
 
+    if !retries {
+        return Ok(());
+    }
     // The route's retry policy from the HTTP_ROUTE patch: the pick names
     // the dead worker first, Envoy moves on.
     let home = workers[0].clone();
@@ -157,7 +161,19 @@ async fn an_agent_session_through_the_envoyfilters_sticks_and_reuses_its_cache()
         ..ClusterOptions::default()
     })
     .await?;
-    session_sticks_and_reuses_its_cache(&mut cluster).await
+    session_sticks_and_reuses_its_cache(&mut cluster, true).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_session_through_the_gateway_envoyfilters_sticks_and_reuses_its_cache() -> anyhow::Result<()> {
+    // The gateway's route (and its retries) come from the user's
+    // VirtualService, so only the routing is shown here.
+    let mut cluster = Cluster::start(ClusterOptions {
+        envoy_template: Some(bootstrap("gateway", None, None)?),
+        ..ClusterOptions::default()
+    })
+    .await?;
+    session_sticks_and_reuses_its_cache(&mut cluster, false).await
 }
 
 /// Serves `body` to every HTTP request on a loopback port until dropped.
@@ -199,7 +215,7 @@ async fn a_remote_module_is_fetched_checked_and_routes() -> anyhow::Result<()> {
         ..ClusterOptions::default()
     })
     .await?;
-    let result = session_sticks_and_reuses_its_cache(&mut cluster).await;
+    let result = session_sticks_and_reuses_its_cache(&mut cluster, true).await;
     task.abort();
     result
 }

@@ -446,3 +446,27 @@ fn the_pod_patch_mounts_the_module_where_the_envoyfilter_loads_it() -> anyhow::R
     assert!(guide.contains("--from-file=kvmesh_filter.wasm="));
     Ok(())
 }
+
+#[test]
+fn the_remote_module_is_fetched_through_the_cluster_that_serves_its_url() -> anyhow::Result<()> {
+    let docs = documents(&istio::render_overlay("sidecar-remote-module")?)?;
+    let filter = istio::patch_value(&docs, "HTTP_FILTER", "INSERT_BEFORE")?;
+    let remote = &filter["typed_config"]["config"]["vm_config"]["code"]["remote"];
+    let uri = remote["http_uri"]["uri"].as_str().unwrap_or_default();
+    let cluster_name = remote["http_uri"]["cluster"].as_str().unwrap_or_default();
+    let cluster = istio::added_cluster(&docs, cluster_name)?;
+    let socket =
+        &cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+    let authority = uri
+        .strip_prefix("http://")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_default();
+    let (host, port) = authority.split_once(':').unwrap_or((authority, "80"));
+    assert_eq!(socket["address"].as_str(), Some(host));
+    assert_eq!(socket["port_value"].as_u64(), port.parse().ok());
+    // A SHA-256 placeholder for `sha256sum` to fill in (docs/deploy-istio.md).
+    let sha = remote["sha256"].as_str().unwrap_or_default();
+    assert_eq!(sha.len(), 64);
+    assert!(sha.bytes().all(|b| b.is_ascii_hexdigit()));
+    Ok(())
+}

@@ -44,6 +44,19 @@ check-codegen:
 validate-envoy: build
     envoy --mode validate --disable-hot-restart -c envoy/envoy.yaml
 
+# Render one Istio overlay (envoy/istio/overlays/<overlay>) to stdout.
+render-istio overlay="sidecar":
+    kubectl kustomize envoy/istio/overlays/{{overlay}}
+
+# Render every Istio overlay and validate it (Istio CRD and Kubernetes schemas).
+validate-istio:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    for overlay in envoy/istio/overlays/*/; do
+        printf '%s: ' "$(basename "$overlay")"
+        kubectl kustomize "$overlay" | python3 envoy/istio/validate.py -
+    done
+
 # Run the standalone Envoy of envoy/envoy.yaml in the foreground.
 envoy: build
     envoy -c envoy/envoy.yaml --disable-hot-restart

@@ -32,6 +32,11 @@ pub struct ClusterOptions {
     pub sidecar_args: Vec<String>,
     /// Start a redis-server and give it to the sidecar (`--redis`).
     pub redis: bool,
+    /// The Envoy configuration to render instead of the shipped
+    /// `envoy/envoy.yaml` (same shape: listener `agents`, clusters
+    /// `gpu_workers` and `kvmesh_sidecar`), e.g. one assembled from the
+    /// Istio EnvoyFilters.
+    pub envoy_template: Option<String>,
 }
 
 impl Default for ClusterOptions {
@@ -52,6 +57,7 @@ impl Default for ClusterOptions {
                 "200".into(),
             ],
             redis: false,
+            envoy_template: None,
         }
     }
 }
@@ -217,7 +223,10 @@ impl Cluster {
         )?;
 
         let wasm = paths::filter_wasm()?;
-        let shipped = std::fs::read_to_string(paths::envoy_yaml())?;
+        let shipped = match &options.envoy_template {
+            Some(template) => template.clone(),
+            None => std::fs::read_to_string(paths::envoy_yaml())?,
+        };
         let rendered = envoy_config::render(
             &shipped,
             &EnvoyOverrides {

@@ -78,10 +78,10 @@ pub fn render(shipped: &str, o: &EnvoyOverrides<'_>) -> anyhow::Result<String> {
         .ok_or_else(|| anyhow!("envoy.yaml: no network filter"))?;
     let wasm = named(get_mut(get_mut(hcm, "typed_config")?, "http_filters")?, "kvmesh")?;
     let config = get_mut(get_mut(wasm, "typed_config")?, "config")?;
-    *get_mut(
-        get_mut(get_mut(get_mut(config, "vm_config")?, "code")?, "local")?,
-        "filename",
-    )? = o.wasm.display().to_string().into();
+    // A module fetched from a URL (`remote`) is left as it is.
+    if let Some(local) = get_mut(get_mut(config, "vm_config")?, "code")?.get_mut("local") {
+        *get_mut(local, "filename")? = o.wasm.display().to_string().into();
+    }
     let plugin = get_mut(get_mut(config, "configuration")?, "value")?;
     let mut json: serde_json::Value =
         serde_json::from_str(plugin.as_str().unwrap_or("{}")).context("plugin configuration JSON")?;

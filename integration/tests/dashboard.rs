@@ -256,3 +256,21 @@ async fn every_metric_the_dashboard_queries_is_exported() -> anyhow::Result<()> 
     }
     Ok(())
 }
+
+#[test]
+fn the_dashboard_ships_as_a_configmap_grafana_discovers() -> anyhow::Result<()> {
+    use kvmesh_integration::istio;
+    let rendered = istio::kustomize(&repo_root().join("envoy/grafana"))?;
+    let (valid, log) = istio::validate(&rendered)?;
+    assert!(valid, "{log}");
+    let docs = istio::documents(&rendered)?;
+    let map = istio::resource(&docs, "ConfigMap", "kvmesh-agents-dashboard")?;
+    assert_eq!(map["metadata"]["labels"]["grafana_dashboard"], "1");
+    let shipped: Value = serde_json::from_str(
+        map["data"]["kvmesh-agents.json"]
+            .as_str()
+            .context("no dashboard in the ConfigMap")?,
+    )?;
+    assert_eq!(shipped, dashboard()?, "the ConfigMap's dashboard differs from the file");
+    Ok(())
+}

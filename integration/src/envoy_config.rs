@@ -110,3 +110,24 @@ pub fn render(shipped: &str, o: &EnvoyOverrides<'_>) -> anyhow::Result<String> {
     set_endpoints(named(clusters, "kvmesh_sidecar")?, &[o.sidecar])?;
     serde_yaml::to_string(&doc).context("writing envoy.yaml")
 }
+
+/// Runs `envoy --mode validate` on `yaml` (from the repository root, so the
+/// shipped relative Wasm path resolves): success, and what Envoy logged.
+pub fn validate(yaml: &str, name: &str) -> anyhow::Result<(bool, String)> {
+    let dir = std::env::temp_dir().join(format!("kvmesh-validate-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let file = dir.join("envoy.yaml");
+    std::fs::write(&file, yaml)?;
+    let out = std::process::Command::new(crate::paths::envoy())
+        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+        .arg(&file)
+        .current_dir(crate::paths::repo_root())
+        .output()?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok((out.status.success(), log))
+}

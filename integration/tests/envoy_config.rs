@@ -1,29 +1,8 @@
 //! The shipped Envoy configuration is valid for the real Envoy, with the real
 //! filter loaded; a bad plugin configuration is rejected, naming the field.
 
-use std::process::Command;
-
-use kvmesh_integration::envoy_config::{EnvoyOverrides, render};
+use kvmesh_integration::envoy_config::{EnvoyOverrides, render, validate};
 use kvmesh_integration::paths;
-
-fn validate(yaml: &str, name: &str) -> anyhow::Result<(bool, String)> {
-    let dir = std::env::temp_dir().join(format!("kvmesh-validate-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let file = dir.join("envoy.yaml");
-    std::fs::write(&file, yaml)?;
-    let out = Command::new(paths::envoy())
-        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
-        .arg(&file)
-        .current_dir(paths::repo_root())
-        .output()?;
-    let _ = std::fs::remove_dir_all(&dir);
-    let log = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok((out.status.success(), log))
-}
 
 #[test]
 fn the_shipped_config_validates_as_is() -> anyhow::Result<()> {

@@ -6,9 +6,8 @@
 //! drift from the other.
 
 use std::net::SocketAddr;
-use std::process::Command;
 
-use kvmesh_integration::envoy_config::{EnvoyOverrides, render};
+use kvmesh_integration::envoy_config::{EnvoyOverrides, render, validate};
 use kvmesh_integration::istio::{self, OVERLAYS, documents};
 use kvmesh_integration::{AgentSession, Cluster, ClusterOptions, paths};
 use serde_yaml::Value;
@@ -52,26 +51,6 @@ fn bootstrap_with(
     Ok(serde_yaml::to_string(&doc)?)
 }
 
-fn envoy_validate(yaml: &str, name: &str) -> anyhow::Result<(bool, String)> {
-    let dir = std::env::temp_dir().join(format!("kvmesh-istio-validate-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let file = dir.join("envoy.yaml");
-    std::fs::write(&file, yaml)?;
-    let out = Command::new(paths::envoy())
-        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
-        .arg(&file)
-        .output()?;
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok((
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    ))
-}
-
 fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
@@ -92,7 +71,7 @@ fn every_overlay_gives_a_config_the_real_envoy_accepts() -> anyhow::Result<()> {
                 baseline_listener: false,
             },
         )?;
-        let (ok, log) = envoy_validate(&yaml, overlay)?;
+        let (ok, log) = validate(&yaml, overlay)?;
         assert!(ok, "{overlay}:\n{log}\n{yaml}");
         assert!(
             !log.contains("Deprecated field"),

@@ -593,6 +593,22 @@ impl Insights {
             record_break(&mut self.bucket(now).breaks, point, block as u64, limit);
         }
 
+        // Its outcome is counted whether or not it belongs to a session.
+        if self.pending.len() >= self.pending_order.capacity()
+            && let Some(oldest) = self.pending_order.pop_oldest()
+        {
+            self.pending.remove(&oldest);
+        }
+        self.pending_order.touch(call.pick_id);
+        self.pending.insert(
+            call.pick_id,
+            PendingCall {
+                label,
+                trace_key: key.clone(),
+                prefill_tokens_per_ms: placed.prefill_tokens_per_ms,
+                worker: placed.worker,
+            },
+        );
         if call.routing_key.is_empty() {
             return;
         }
@@ -616,23 +632,7 @@ impl Insights {
             self.traces.remove(&oldest);
         }
         self.trace_order.touch(key.clone());
-        self.traces.insert(key.clone(), trace);
-
-        if self.pending.len() >= self.pending_order.capacity()
-            && let Some(oldest) = self.pending_order.pop_oldest()
-        {
-            self.pending.remove(&oldest);
-        }
-        self.pending_order.touch(call.pick_id);
-        self.pending.insert(
-            call.pick_id,
-            PendingCall {
-                label,
-                trace_key: key,
-                prefill_tokens_per_ms: placed.prefill_tokens_per_ms,
-                worker: placed.worker,
-            },
-        );
+        self.traces.insert(key, trace);
     }
 
     /// Records the outcome of a pick: the engine's usage, and the end of the
@@ -1212,6 +1212,11 @@ mod tests {
         assert_eq!(names, ["none", "other", "t1", "t2"]);
         let report = insights.report(0, 60_000);
         assert_eq!(report.rows.iter().map(|r| r.2.calls).sum::<u64>(), 5);
+        // Calls without a session still count their usage.
+        insights.on_outcome(4, Some(100), Some(40), Some(WorkerId(0)), 1);
+        let report = insights.report(1, 60_000);
+        let none = report.rows.iter().find(|r| r.1 == "none").unwrap();
+        assert_eq!((none.2.reported_cached_tokens, none.2.written_tokens), (40.0, 60.0));
     }
 
     #[test]

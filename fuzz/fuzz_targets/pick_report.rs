@@ -4,7 +4,7 @@
 #![no_main]
 
 use kvmesh_core::{
-    Call, InsightConfig, Insights, Outcome, PickInput, Placed, PromptSection, Router, RouterConfig, SectionKind,
+    Call, InsightConfig, Insights, Outcome, PickInput, PromptSection, Router, RouterConfig, SectionKind,
 };
 use kvmesh_proto::v1;
 use libfuzzer_sys::fuzz_target;
@@ -38,7 +38,7 @@ fuzz_target!(|data: &[u8]| {
         rest = next;
         now += 1_000;
         if let Ok(pick) = v1::PickRequest::decode(message) {
-            let decision = router.pick(PickInput {
+            let input = PickInput {
                 block_hashes: &pick.block_hashes,
                 last_block_partial: pick.last_block_partial,
                 block_bytes: pick.block_bytes,
@@ -49,7 +49,8 @@ fuzz_target!(|data: &[u8]| {
                 model: &pick.model,
                 session_final: pick.session_final,
                 now_ms: now,
-            });
+            };
+            let decision = router.pick(input);
             assert!(decision.ranked.len() <= 3);
             let sections: Vec<PromptSection> = pick
                 .sections
@@ -66,29 +67,16 @@ fuzz_target!(|data: &[u8]| {
                     digest: s.digest,
                 })
                 .collect();
-            let partial = usize::from(pick.last_block_partial && !pick.block_hashes.is_empty());
-            let chosen = decision.ranked.first().copied();
             insights.on_pick(
                 &Call {
                     pick_id: decision.pick_id,
-                    routing_key: &pick.session_id,
-                    model: &pick.model,
+                    input,
                     harness: &pick.harness,
                     tenant: &pick.tenant,
-                    full_blocks: &pick.block_hashes[..pick.block_hashes.len() - partial],
                     sections: &sections,
-                    prompt_bytes: pick.prompt_bytes,
-                    block_bytes: pick.block_bytes,
-                    truncated: pick.truncated,
                     bytes_per_token: router.bytes_per_token(&pick.model),
-                    now_ms: now,
                 },
-                &Placed {
-                    worker: chosen,
-                    predicted_blocks: decision.predicted_cached_blocks as usize,
-                    reachable_blocks: decision.best_overlap as usize,
-                    prefill_tokens_per_ms: chosen.map_or(0.0, |w| router.prefill_tokens_per_ms(w)),
-                },
+                &router.placed(&decision),
                 &router,
             );
         }

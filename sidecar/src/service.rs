@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use kvmesh_core::{Call, Decision, Insights, Outcome, PickInput, Placed, PromptSection, Reason, Router, SectionKind};
+use kvmesh_core::{Call, Decision, Insights, Outcome, PickInput, PromptSection, Reason, Router, SectionKind};
 use kvmesh_proto::v1::{self, router_server};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -107,48 +107,37 @@ impl Shared {
     pub(crate) fn pick(&self, req: &v1::PickRequest) -> v1::PickReply {
         let started = Instant::now();
         let now = now_ms();
+        let input = PickInput {
+            block_hashes: &req.block_hashes,
+            last_block_partial: req.last_block_partial,
+            block_bytes: req.block_bytes,
+            prompt_bytes: req.prompt_bytes,
+            session_id: &req.session_id,
+            agent_id: &req.agent_id,
+            parent_id: &req.parent_id,
+            model: &req.model,
+            session_final: req.session_final,
+            now_ms: now,
+        };
         let (decision, destinations) = {
             let mut router = self.router();
-            let decision: Decision = router.pick(PickInput {
-                block_hashes: &req.block_hashes,
-                last_block_partial: req.last_block_partial,
-                block_bytes: req.block_bytes,
-                prompt_bytes: req.prompt_bytes,
-                session_id: &req.session_id,
-                agent_id: &req.agent_id,
-                parent_id: &req.parent_id,
-                model: &req.model,
-                session_final: req.session_final,
-                now_ms: now,
-            });
+            let decision: Decision = router.pick(input);
             let destinations: Vec<String> = decision
                 .ranked
                 .iter()
                 .filter_map(|id| router.address(*id).map(str::to_owned))
                 .collect();
-            let chosen = decision.ranked.first().copied();
             let sections: Vec<PromptSection> = req.sections.iter().map(section_from_wire).collect();
             self.insights().on_pick(
                 &Call {
                     pick_id: decision.pick_id,
-                    routing_key: routing_key(req),
-                    model: &req.model,
+                    input,
                     harness: &req.harness,
                     tenant: &req.tenant,
-                    full_blocks: full_blocks(req),
                     sections: &sections,
-                    prompt_bytes: req.prompt_bytes,
-                    block_bytes: if req.block_bytes == 0 { 256 } else { req.block_bytes },
-                    truncated: req.truncated,
                     bytes_per_token: router.bytes_per_token(&req.model),
-                    now_ms: now,
                 },
-                &Placed {
-                    worker: chosen,
-                    predicted_blocks: decision.predicted_cached_blocks as usize,
-                    reachable_blocks: decision.best_overlap as usize,
-                    prefill_tokens_per_ms: chosen.map_or(0.0, |w| router.prefill_tokens_per_ms(w)),
-                },
+                &router.placed(&decision),
                 &*router,
             );
             (decision, destinations)
@@ -164,8 +153,8 @@ impl Shared {
         if let (Some(store), Some(worker)) = (self.store.get(), destinations.first()) {
             store.publish(Placement {
                 worker: worker.clone(),
-                session: routing_key(req).to_owned(),
-                blocks: full_blocks(req).to_vec(),
+                session: input.routing_key().to_owned(),
+                blocks: input.full_blocks().to_vec(),
             });
         }
         self.metrics.observe_pick(
@@ -206,21 +195,6 @@ impl Shared {
         self.metrics
             .observe_report(known, outcome.prompt_tokens, outcome.cached_tokens);
     }
-}
-
-/// The session a request is scheduled as: a subagent's own id, else its session's.
-fn routing_key(req: &v1::PickRequest) -> &str {
-    if req.agent_id.is_empty() {
-        &req.session_id
-    } else {
-        &req.agent_id
-    }
-}
-
-/// The request's hashes without a trailing partial block.
-fn full_blocks(req: &v1::PickRequest) -> &[u64] {
-    let partial = usize::from(req.last_block_partial && !req.block_hashes.is_empty());
-    &req.block_hashes[..req.block_hashes.len() - partial]
 }
 
 type PickReplies = Pin<Box<dyn Stream<Item = Result<v1::PickReply, Status>> + Send>>;

@@ -14,7 +14,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvmesh_core::{Call, InsightConfig, Insights, Outcome, PickInput, Placed, Router, RouterConfig};
+use kvmesh_core::{Call, InsightConfig, Insights, Outcome, PickInput, Router, RouterConfig};
 
 /// splitmix64: a fixed, seeded stream of hashes.
 fn hash(seed: u64) -> u64 {
@@ -75,38 +75,29 @@ fn main() {
                     let mut hashes = session_blocks(s, cached);
                     hashes.extend((cached..request_blocks).map(|j| hash(u64::MAX - i * 100_000 - j)));
                     let session = format!("s{s}");
-                    let started = Instant::now();
-                    let d = router.pick(PickInput {
+                    let input = PickInput {
                         block_hashes: &hashes,
                         block_bytes: 256,
                         prompt_bytes: request_blocks * 256,
                         session_id: &session,
+                        model: "m",
                         now_ms: i,
                         ..PickInput::default()
-                    });
+                    };
+                    let started = Instant::now();
+                    let d = router.pick(input);
                     let elapsed = started.elapsed();
                     let started = Instant::now();
                     insights.on_pick(
                         &Call {
                             pick_id: d.pick_id,
-                            routing_key: &session,
-                            model: "m",
+                            input,
                             harness: "claude_code",
                             tenant: "t",
-                            full_blocks: &hashes,
                             sections: &[],
-                            prompt_bytes: request_blocks * 256,
-                            block_bytes: 256,
-                            truncated: false,
                             bytes_per_token: 4.0,
-                            now_ms: i,
                         },
-                        &Placed {
-                            worker: d.ranked.first().copied(),
-                            predicted_blocks: d.predicted_cached_blocks as usize,
-                            reachable_blocks: d.best_overlap as usize,
-                            prefill_tokens_per_ms: 10.0,
-                        },
+                        &router.placed(&d),
                         &router,
                     );
                     let insight_elapsed = started.elapsed();

@@ -13,8 +13,8 @@ use std::collections::VecDeque;
 
 use hashbrown::HashMap;
 
-use crate::WorkerId;
 use crate::lru::Lru;
+use crate::{PickInput, WorkerId};
 
 /// The agent harnesses kvmesh tells apart; anything else is `other`. A
 /// closed set, so that it can label metrics.
@@ -144,20 +144,12 @@ pub trait FleetView {
 #[derive(Debug, Clone, Copy)]
 pub struct Call<'a> {
     pub pick_id: u64,
-    /// The session routed (a subagent's own id, else the session's).
-    pub routing_key: &'a str,
-    pub model: &'a str,
+    /// The request as the router saw it: session, model, blocks, sizes, time.
+    pub input: PickInput<'a>,
     pub harness: &'a str,
     pub tenant: &'a str,
-    /// The request's full blocks.
-    pub full_blocks: &'a [u64],
     pub sections: &'a [PromptSection],
-    pub prompt_bytes: u64,
-    pub block_bytes: u32,
-    /// The hashes cover only a prefix of the prompt.
-    pub truncated: bool,
     pub bytes_per_token: f64,
-    pub now_ms: u64,
 }
 
 /// Where the router put it.
@@ -515,20 +507,20 @@ impl Insights {
         } else {
             4.0
         };
-        let block_tokens = f64::from(call.block_bytes.max(1)) / bytes_per_token;
-        let prompt_tokens = call.prompt_bytes as f64 / bytes_per_token;
+        let block_tokens = f64::from(call.input.block_bytes()) / bytes_per_token;
+        let prompt_tokens = call.input.prompt_bytes as f64 / bytes_per_token;
         let tokens = |blocks: usize| (blocks as f64 * block_tokens).min(prompt_tokens);
-        let key = trace_key(call.routing_key, call.model);
-        let now = call.now_ms;
+        let key = trace_key(call.input.routing_key(), call.input.model);
+        let now = call.input.now_ms;
 
         // The previous call of this session, if any.
-        let previous = if call.routing_key.is_empty() {
+        let previous = if call.input.routing_key().is_empty() {
             None
         } else {
             self.accrue_idle(&key, now, fleet);
             self.traces.get(&key)
         };
-        let common = previous.map_or(0, |p| common_prefix(&p.blocks, call.full_blocks));
+        let common = previous.map_or(0, |p| common_prefix(&p.blocks, call.input.full_blocks()));
         let mut moved = None;
         let mut same = false;
         let mut broke = None;
@@ -558,11 +550,11 @@ impl Insights {
         let checked = previous.is_some_and(|p| !p.blocks.is_empty());
         let repeated = common.max(placed.reachable_blocks);
         let repeated_bytes = (repeated as u64)
-            .saturating_mul(u64::from(call.block_bytes.max(1)))
-            .min(call.prompt_bytes);
+            .saturating_mul(u64::from(call.input.block_bytes()))
+            .min(call.input.prompt_bytes);
         self.count(label, now, |t| {
             t.calls += 1;
-            t.prompt_bytes += call.prompt_bytes;
+            t.prompt_bytes += call.input.prompt_bytes;
             t.repeated_prefix_bytes += repeated_bytes;
             t.prompt_tokens += prompt_tokens;
             t.repeated_prefix_tokens += tokens(repeated);
@@ -609,16 +601,16 @@ impl Insights {
                 worker: placed.worker,
             },
         );
-        if call.routing_key.is_empty() {
+        if call.input.routing_key().is_empty() {
             return;
         }
         // This call is now the session's trace.
         let trace = Trace {
             label,
             worker: placed.worker,
-            blocks: call.full_blocks.to_vec(),
+            blocks: call.input.full_blocks().to_vec(),
             sections: call.sections.to_vec(),
-            held_tokens: tokens(call.full_blocks.len()),
+            held_tokens: tokens(call.input.full_blocks().len()),
             prefill_tokens_per_ms: placed.prefill_tokens_per_ms,
             in_flight: self.traces.get(&key).map_or(0, |t| t.in_flight) + 1,
             idle_since_ms: None,
@@ -874,7 +866,7 @@ fn break_section(prev: &Trace, call: &Call<'_>, block: usize) -> (SectionKind, u
             .flatten()
     };
     let by_block = || {
-        let byte = (block as u64).saturating_mul(u64::from(call.block_bytes.max(1)));
+        let byte = (block as u64).saturating_mul(u64::from(call.input.block_bytes()));
         call.sections.iter().rev().find(|s| s.start <= byte)
     };
     changed
@@ -964,17 +956,19 @@ mod tests {
     ) -> Call<'a> {
         Call {
             pick_id,
-            routing_key: key,
-            model: "m",
+            input: PickInput {
+                block_hashes: blocks,
+                block_bytes: 100,
+                prompt_bytes,
+                session_id: key,
+                model: "m",
+                now_ms,
+                ..PickInput::default()
+            },
             harness,
             tenant: harness,
-            full_blocks: blocks,
             sections,
-            prompt_bytes,
-            block_bytes: 100,
-            truncated: false,
             bytes_per_token: 4.0,
-            now_ms,
         }
     }
 

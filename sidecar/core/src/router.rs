@@ -179,8 +179,9 @@ pub struct PickInput<'a> {
 }
 
 impl PickInput<'_> {
-    /// The session this request is scheduled as.
-    fn routing_key(&self) -> &str {
+    /// The session this request is scheduled as: a subagent's own id, else
+    /// its session's.
+    pub fn routing_key(&self) -> &str {
         if self.agent_id.is_empty() {
             self.session_id
         } else {
@@ -188,9 +189,15 @@ impl PickInput<'_> {
         }
     }
 
-    fn full_blocks(&self) -> &[u64] {
+    /// The request's hashes without a trailing partial block.
+    pub fn full_blocks(&self) -> &[u64] {
         let n = self.block_hashes.len() - usize::from(self.last_block_partial && !self.block_hashes.is_empty());
         &self.block_hashes[..n]
+    }
+
+    /// Bytes per block, 256 when the request does not say.
+    pub fn block_bytes(&self) -> u32 {
+        if self.block_bytes == 0 { 256 } else { self.block_bytes }
     }
 }
 
@@ -477,6 +484,17 @@ impl Router {
         self.sessions.expire(now_ms)
     }
 
+    /// Where a decision put its request, as the insight ledger reads it.
+    pub fn placed(&self, decision: &Decision) -> crate::Placed {
+        let worker = decision.ranked.first().copied();
+        crate::Placed {
+            worker,
+            predicted_blocks: decision.predicted_cached_blocks as usize,
+            reachable_blocks: decision.best_overlap as usize,
+            prefill_tokens_per_ms: worker.map_or(0.0, |w| self.prefill_tokens_per_ms(w)),
+        }
+    }
+
     /// A worker's prefill throughput in tokens per ms: learned, else the default.
     pub fn prefill_tokens_per_ms(&self, id: WorkerId) -> f64 {
         self.workers
@@ -534,7 +552,7 @@ impl Router {
             .flatten();
 
         let bytes_per_token = self.bytes_per_token(input.model);
-        let block_bytes = if input.block_bytes == 0 { 256 } else { input.block_bytes };
+        let block_bytes = input.block_bytes();
         let block_tokens = f64::from(block_bytes) / bytes_per_token;
         let request_tokens =
             (input.prompt_bytes as f64 / bytes_per_token).max(input.block_hashes.len() as f64 * block_tokens * 0.5);

@@ -122,11 +122,6 @@ fn blocks_of_tokens(tokens: u64) -> usize {
     (tokens as f64 * ENGINE_BYTES_PER_TOKEN / BLOCK_BYTES) as usize
 }
 
-fn full_blocks(r: &Prepared) -> &[u64] {
-    let partial = usize::from(r.last_block_partial && !r.hashes.is_empty());
-    &r.hashes[..r.hashes.len() - partial]
-}
-
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -177,20 +172,15 @@ fn run_policy(
             last_blocks: &last_blocks,
             prepared,
         };
+        let input = r.pick_input(now as u64);
         insights.on_pick(
             &Call {
                 pick_id: r.index as u64,
-                routing_key: &r.session,
-                model: "sim",
+                input,
                 harness: "other",
                 tenant: "",
-                full_blocks: full_blocks(r),
                 sections: &r.sections,
-                prompt_bytes: r.stream_bytes,
-                block_bytes: BLOCK_BYTES as u32,
-                truncated: false,
                 bytes_per_token: ENGINE_BYTES_PER_TOKEN,
-                now_ms: now as u64,
             },
             &Placed {
                 worker: Some(WorkerId(w)),
@@ -200,7 +190,7 @@ fn run_policy(
             },
             &fleet,
         );
-        if let Some(&last) = full_blocks(r).last() {
+        if let Some(&last) = input.full_blocks().last() {
             last_blocks.insert(last, r.index);
         }
         let s = world.serve(w, r, now);

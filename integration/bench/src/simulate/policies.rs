@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use kvmesh_core::{Lru, Outcome, PickInput, Router, RouterConfig};
+use kvmesh_core::{Lru, Outcome, Router, RouterConfig};
 
 use super::radix::RadixTree;
 use super::world::{Prepared, View};
@@ -77,17 +77,7 @@ impl Kvmesh {
 
 impl Policy for Kvmesh {
     fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let d = self.router.pick(PickInput {
-            block_hashes: &r.hashes,
-            last_block_partial: r.last_block_partial,
-            block_bytes: 256,
-            prompt_bytes: r.stream_bytes,
-            session_id: &r.session,
-            parent_id: &r.parent,
-            model: "sim",
-            now_ms: view.now as u64,
-            ..PickInput::default()
-        });
+        let d = self.router.pick(r.pick_input(view.now as u64));
         self.picks.insert(r.index, d.pick_id);
         d.ranked.first().map_or(0, |w| w.0)
     }

@@ -29,6 +29,23 @@ pub(crate) struct Prepared {
     pub(crate) output_tokens: u32,
 }
 
+impl Prepared {
+    /// The request as kvmesh's router sees it at `now_ms`.
+    pub(crate) fn pick_input(&self, now_ms: u64) -> kvmesh_core::PickInput<'_> {
+        kvmesh_core::PickInput {
+            block_hashes: &self.hashes,
+            last_block_partial: self.last_block_partial,
+            block_bytes: 256,
+            prompt_bytes: self.stream_bytes,
+            session_id: &self.session,
+            parent_id: &self.parent,
+            model: "sim",
+            now_ms,
+            ..kvmesh_core::PickInput::default()
+        }
+    }
+}
+
 /// Turns a trace request into what the filter and the engine see of it:
 /// an OpenAI chat call carrying the text, with the session in a header.
 pub(crate) fn prepare(index: usize, r: &Request, config: &FilterConfig) -> anyhow::Result<Prepared> {

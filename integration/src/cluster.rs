@@ -428,6 +428,16 @@ impl Cluster {
         self.sidecar.kill()
     }
 
+    /// Kills the worker listening on `addr` ("ip:port", as replies name it).
+    pub fn kill_worker_at(&mut self, addr: &str) -> anyhow::Result<()> {
+        let worker = self
+            .workers
+            .iter_mut()
+            .find(|w| w.addr.to_string() == addr)
+            .with_context(|| format!("unknown worker {addr}"))?;
+        worker.process.kill()
+    }
+
     /// Starts worker `index` again, a new process on its old address: its
     /// cache starts empty, as a restarted engine's does.
     pub fn restart_worker(&mut self, index: usize) -> anyhow::Result<()> {

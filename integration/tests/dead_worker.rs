@@ -9,12 +9,7 @@ async fn a_call_picked_onto_a_dead_worker_is_retried_elsewhere() -> anyhow::Resu
     let session = AgentSession::new("acme/fragile");
     let first = cluster.chat(&session.call(0), &[("x-session-id", "fragile")]).await?;
     let home = first.worker.clone().unwrap_or_default();
-    let index = cluster
-        .workers
-        .iter()
-        .position(|w| w.addr.to_string() == home)
-        .ok_or_else(|| anyhow::anyhow!("unknown worker {home}"))?;
-    cluster.workers[index].process.kill()?;
+    cluster.kill_worker_at(&home)?;
 
     for turn in 1..4 {
         let reply = cluster

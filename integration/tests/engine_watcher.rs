@@ -70,12 +70,7 @@ async fn the_watcher_reads_capacity_restarts_and_health() -> anyhow::Result<()> 
     );
 
     // Dead: marked down within a few scrapes; new sessions avoid it.
-    let index = cluster
-        .workers
-        .iter()
-        .position(|w| w.addr.to_string() == home)
-        .ok_or_else(|| anyhow::anyhow!("unknown worker"))?;
-    cluster.workers[index].process.kill()?;
+    cluster.kill_worker_at(&home)?;
     let took = wait_until(&cluster, &home, "was marked down", |w| w["healthy"] == false).await?;
     eprintln!("dead worker detected within {took:?}");
     for s in 0..6 {

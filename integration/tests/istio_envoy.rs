@@ -117,12 +117,7 @@ async fn session_sticks_and_reuses_its_cache(cluster: &mut Cluster, retries: boo
     // The route's retry policy from the HTTP_ROUTE patch: the pick names
     // the dead worker first, Envoy moves on.
     let home = workers[0].clone();
-    let index = cluster
-        .workers
-        .iter()
-        .position(|w| w.addr.to_string() == home)
-        .ok_or_else(|| anyhow::anyhow!("unknown worker {home}"))?;
-    cluster.workers[index].process.kill()?;
+    cluster.kill_worker_at(&home)?;
     let reply = cluster.chat(&session.call(8), &[("x-session-id", "istio-a")]).await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(

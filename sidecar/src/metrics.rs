@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use std::sync::{Arc, Mutex};
 
-use kvmesh_core::{Insights, MoveReason, Reason, SectionKind, Totals, WorkerView};
+use kvmesh_core::{Insights, Reason, Totals, WorkerView};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -225,14 +225,14 @@ impl Collector for InsightCollector {
         let moves: Vec<(AgentDetailLabel, f64)> = rows
             .iter()
             .flat_map(|(l, t)| {
-                MoveReason::ALL.iter().map(move |r| {
+                t.moves_by_reason().map(move |(reason, n)| {
                     (
                         AgentDetailLabel {
                             harness: l.harness,
                             tenant: l.tenant.clone(),
-                            reason: r.as_str(),
+                            reason,
                         },
-                        t.moves[*r as usize] as f64,
+                        n as f64,
                     )
                 })
             })
@@ -246,14 +246,14 @@ impl Collector for InsightCollector {
         let breaks: Vec<(SectionLabel, f64)> = rows
             .iter()
             .flat_map(|(l, t)| {
-                SectionKind::ALL.iter().map(move |s| {
+                t.breaks_by_section().map(move |(section, n)| {
                     (
                         SectionLabel {
                             harness: l.harness,
                             tenant: l.tenant.clone(),
-                            section: s.as_str(),
+                            section,
                         },
-                        t.prefix_breaks[*s as usize] as f64,
+                        n as f64,
                     )
                 })
             })

@@ -5,7 +5,7 @@
 
 use std::fmt::Write as _;
 
-use kvmesh_core::{BreakPoint, MoveReason, Report, SectionKind, Totals};
+use kvmesh_core::{BreakPoint, Report, SectionKind, Totals};
 use serde_json::{Value, json};
 
 use crate::config::ReportArgs;
@@ -19,14 +19,8 @@ fn section_name(point: &BreakPoint) -> String {
 }
 
 fn row_json(harness: &str, tenant: &str, t: &Totals) -> Value {
-    let moves: serde_json::Map<String, Value> = MoveReason::ALL
-        .iter()
-        .map(|r| (r.as_str().to_owned(), json!(t.moves[*r as usize])))
-        .collect();
-    let breaks: serde_json::Map<String, Value> = SectionKind::ALL
-        .iter()
-        .map(|s| (s.as_str().to_owned(), json!(t.prefix_breaks[*s as usize])))
-        .collect();
+    let moves: serde_json::Map<String, Value> = t.moves_by_reason().map(|(r, n)| (r.to_owned(), json!(n))).collect();
+    let breaks: serde_json::Map<String, Value> = t.breaks_by_section().map(|(s, n)| (s.to_owned(), json!(n))).collect();
     let mut row = serde_json::Map::new();
     row.insert("harness".to_owned(), json!(harness));
     row.insert("tenant".to_owned(), json!(tenant));

@@ -250,6 +250,18 @@ impl Totals {
         ratio(self.reported_cached_tokens, self.written_tokens)
     }
 
+    /// Moves by reason, named as in metric labels and reports.
+    pub fn moves_by_reason(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        MoveReason::ALL.iter().map(|r| (r.as_str(), self.moves[*r as usize]))
+    }
+
+    /// Prefix breaks by the section where they broke, named likewise.
+    pub fn breaks_by_section(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        SectionKind::ALL
+            .iter()
+            .map(|s| (s.as_str(), self.prefix_breaks[*s as usize]))
+    }
+
     /// The headline figures by name, as the sidecar's report and the
     /// benchmark both print them, so a simulation and a live deployment
     /// read the same way.

@@ -252,20 +252,16 @@ fn run_policy(
         .into_iter()
         .map(|(name, value)| (name.to_owned(), json!(value)))
         .collect();
-    let breaks: serde_json::Map<String, serde_json::Value> = kvmesh_core::SectionKind::ALL
-        .iter()
-        .map(|s| (s.as_str().to_owned(), json!(all.prefix_breaks[*s as usize])))
-        .collect();
+    let breaks: serde_json::Map<String, serde_json::Value> =
+        all.breaks_by_section().map(|(s, n)| (s.to_owned(), json!(n))).collect();
     let breakers: Vec<serde_json::Value> = insights
         .break_points()
         .iter()
         .take(5)
         .map(|(p, s)| json!({"section": p.kind.as_str(), "index": p.index, "count": s.count, "first_block_min": s.first_block_min, "first_block_max": s.first_block_max}))
         .collect();
-    let moves: serde_json::Map<String, serde_json::Value> = kvmesh_core::MoveReason::ALL
-        .iter()
-        .map(|m| (m.as_str().to_owned(), json!(all.moves[*m as usize])))
-        .collect();
+    let moves: serde_json::Map<String, serde_json::Value> =
+        all.moves_by_reason().map(|(m, n)| (m.to_owned(), json!(n))).collect();
     let result = json!({
         "hit_rate": cached as f64 / prompt.max(1) as f64,
         "prefill_tokens": prompt - cached,

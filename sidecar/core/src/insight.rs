@@ -185,11 +185,11 @@ pub struct Totals {
     pub continuing_calls: u64,
     pub same_worker_calls: u64,
     /// Continuing calls that moved, by [`MoveReason::ALL`] order.
-    pub moves: [u64; 5],
+    pub moves: [u64; MoveReason::ALL.len()],
     /// Continuing calls compared with their previous call's prefix.
     pub prefix_checks: u64,
     /// Those whose prefix broke, by [`SectionKind::ALL`] order.
-    pub prefix_breaks: [u64; 4],
+    pub prefix_breaks: [u64; SectionKind::ALL.len()],
     pub outcomes: u64,
     /// Outcomes that reported usage.
     pub reported_calls: u64,
@@ -421,7 +421,7 @@ pub struct Insights {
     pending: HashMap<u64, PendingCall>,
     pending_order: Lru<u64>,
     buckets: VecDeque<Bucket>,
-    retention: [Retention; 5],
+    retention: [Retention; HARNESSES.len()],
 }
 
 /// Key of a session's trace: a harness's side calls on another model (a
@@ -446,7 +446,7 @@ impl Insights {
             traces: HashMap::new(),
             pending: HashMap::new(),
             buckets: VecDeque::new(),
-            retention: [Retention::default(); 5],
+            retention: [Retention::default(); HARNESSES.len()],
             config,
         }
     }
@@ -703,7 +703,7 @@ impl Insights {
     pub fn tick(&mut self, now_ms: u64, fleet: &impl FleetView) {
         let kv_bytes_per_token = self.config.kv_bytes_per_token;
         let ttl = self.config.session_ttl_ms;
-        let mut retention = [Retention::default(); 5];
+        let mut retention = [Retention::default(); HARNESSES.len()];
         let mut charges: Vec<(LabelId, f64)> = Vec::new();
         let mut ended = Vec::new();
         for (key, trace) in &mut self.traces {
@@ -723,7 +723,7 @@ impl Insights {
             if let Some(since) = trace.idle_since_ms
                 && held(trace, fleet)
             {
-                let r = &mut retention[usize::from(trace.label.harness).min(4)];
+                let r = &mut retention[usize::from(trace.label.harness).min(HARNESSES.len() - 1)];
                 r.idle_sessions += 1;
                 r.kv_bytes += trace.held_tokens * kv_bytes_per_token;
                 r.recompute_ms += trace.held_tokens / trace.prefill_tokens_per_ms.max(0.1);

@@ -7,8 +7,13 @@
 //!
 //! Picks and outcomes travel on long-lived gRPC streams owned by the root
 //! context (see `sidecar`), with unary calls as the fallback.
+//!
+//! Nothing a client or an engine sends may panic here (a panic kills the VM
+//! on that Envoy thread): every header is read as bytes through `host`,
+//! whose module doc has the rule and the SDK calls it bans.
 #![forbid(unsafe_code)]
 
+mod host;
 mod metrics;
 mod sidecar;
 
@@ -17,7 +22,11 @@ use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
 use kvmesh_proto::{method, v1};
-use kvmesh_request::{Api, DESTINATION_HEADER, FilterConfig, Section, SectionKind, Understood, UsageReader};
+use kvmesh_request::{
+    Api, DESTINATION_HEADER, FORGED_DESTINATION_HEADER, FilterConfig, NotUnderstood, Section, SectionKind, Understood,
+    UsageReader,
+};
+use kvmesh_vocab::limits::{MAX_MESSAGE_BYTES, MAX_PATH_BYTES, clip};
 use log::{debug, info, warn};
 use prost::Message;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -228,24 +237,37 @@ impl RequestFilter {
         &self.shared.metrics
     }
 
-    /// Removes every header a client could use to steer routing.
+    /// Removes every header a client could use to steer routing or to
+    /// claim a tenant. Envoy's own header mutation filter, ahead of this one
+    /// in the shipped configurations, has already moved a client's
+    /// destination aside (so a dead VM cannot reopen steering); this counts
+    /// it, and removes it where no such filter runs.
     fn strip_routing_headers(&self) {
-        if self.get_http_request_header(DESTINATION_HEADER).is_some() {
+        let forged = [DESTINATION_HEADER, FORGED_DESTINATION_HEADER]
+            .into_iter()
+            .filter(|name| host::request_header(name).is_some())
+            .inspect(|name| host::set_request_header(name, None))
+            .count();
+        if forged > 0 {
             self.metrics().inc(self.metrics().forged_destination);
-            self.set_http_request_header(DESTINATION_HEADER, None);
+        }
+        if !self.config().trust_tenant_header && host::request_header(&self.config().tenant_header).is_some() {
+            self.metrics().inc(self.metrics().client_tenant_removed);
+            host::set_request_header(&self.config().tenant_header, None);
         }
         for name in &self.config().strip_headers {
-            self.set_http_request_header(name, None);
+            host::set_request_header(name, None);
         }
     }
 
     fn is_json(&self) -> bool {
-        match self.get_http_request_header("content-type") {
+        match host::request_header("content-type") {
             // Agents always send a content type; without one, try the body.
             None => true,
             Some(value) => {
-                let essence = value.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
-                essence == "application/json" || essence.ends_with("+json")
+                let essence = value.split(|b| *b == b';').next().unwrap_or_default().trim_ascii();
+                essence.eq_ignore_ascii_case(b"application/json")
+                    || essence.to_ascii_lowercase().ends_with(b"+json")
             }
         }
     }
@@ -291,7 +313,7 @@ impl RequestFilter {
             agent_id: identity.agent_id,
             tenant: identity.tenant,
             model,
-            path: self.path.clone(),
+            path: clip(&self.path, MAX_PATH_BYTES).to_owned(),
             expected_output_tokens: hints.expected_output_tokens,
             stream: hints.stream,
             session_final: identity.session_final,
@@ -309,9 +331,13 @@ impl RequestFilter {
         let Some(api) = self.api else {
             return self.fail_open(FailOpen::NotUnderstood);
         };
-        let headers = self.get_http_request_headers();
+        let headers = host::request_headers();
         let understood = match kvmesh_request::understand(api, &headers, body, body_truncated, self.config()) {
             Ok(understood) => understood,
+            Err(err @ NotUnderstood::ModelTooLong(_)) => {
+                debug!("kvmesh: {} request not routed on content: {err}", api.name());
+                return self.fail_open(FailOpen::Oversized);
+            }
             Err(err) => {
                 debug!("kvmesh: {} request not routed on content: {err}", api.name());
                 self.metrics().parse_error(api);
@@ -325,6 +351,11 @@ impl RequestFilter {
             self.metrics().inc(self.metrics().truncated_blocks);
         }
         let mut pick = self.pick_request(understood);
+        // The request crate bounds every field, so this never trips; it
+        // keeps a Pick the sidecar would refuse off the shared stream.
+        if pick.encoded_len() > MAX_MESSAGE_BYTES {
+            return self.fail_open(FailOpen::Oversized);
+        }
         let timeout = Duration::from_millis(self.config().sidecar_timeout_ms);
         let sent_on_stream = self.send_on_pick_stream(&mut pick, timeout);
         self.asked = Some(Asked {
@@ -384,22 +415,21 @@ impl RequestFilter {
     fn apply_pick(&mut self, status_code: u32, response_size: usize) {
         if status_code != 0 {
             // Envoy reports a callout timeout as UNAVAILABLE (14), like a
-            // refused connection; its message says "upstream request timeout".
-            // Its timer may fire a few ms before our clock says the timeout
-            // passed, so the elapsed-time check keeps a margin.
-            let (_, message) = self.get_grpc_status();
-            let message = message.unwrap_or_default();
+            // refused connection, so the elapsed time tells them apart (the
+            // status message is not read: see `host`). Envoy's timer may
+            // fire a few ms before our clock says the timeout passed, so
+            // the check keeps a margin.
             let waited = self
                 .started
                 .and_then(|t| self.get_current_time().duration_since(t).ok())
                 .unwrap_or_default();
             let timeout = Duration::from_millis(self.config().sidecar_timeout_ms);
-            let why = if message.contains("timeout") || waited >= timeout.mul_f64(0.9) {
+            let why = if waited >= timeout.mul_f64(0.9) {
                 FailOpen::Timeout
             } else {
                 FailOpen::SidecarError
             };
-            debug!("kvmesh: Pick failed with gRPC status {status_code} ({message}) after {waited:?}");
+            debug!("kvmesh: Pick failed with gRPC status {status_code} after {waited:?}");
             self.metrics().fail_open(why);
             return;
         }
@@ -412,7 +442,7 @@ impl RequestFilter {
         };
         match destination_value(&reply) {
             Ok(value) => {
-                self.set_http_request_header(DESTINATION_HEADER, Some(&value));
+                host::set_request_header(DESTINATION_HEADER, Some(&value));
                 self.metrics().inc(self.metrics().picks);
                 self.pick.pick_id.set(Some(reply.pick_id));
             }
@@ -439,10 +469,7 @@ impl RequestFilter {
             self.metrics().inc(self.metrics().outcomes_with_usage);
         }
         let now = self.get_current_time();
-        let destination = self
-            .get_property(vec!["upstream", "address"])
-            .and_then(|bytes| String::from_utf8(bytes).ok())
-            .unwrap_or_default();
+        let destination = host::property_text(vec!["upstream", "address"]).unwrap_or_default();
         let outcome = v1::Outcome {
             pick_id,
             destination,
@@ -503,10 +530,11 @@ impl Context for RequestFilter {
 impl HttpContext for RequestFilter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.strip_routing_headers();
-        let method = self.get_http_request_header(":method").unwrap_or_default();
-        self.path = self.get_http_request_header(":path").unwrap_or_default();
+        let method = host::request_header(":method").unwrap_or_default();
+        // A path that is not UTF-8 names no inference API: it passes through.
+        self.path = host::request_header_text(":path").unwrap_or_default();
         self.api = Api::from_path(&self.path);
-        if method != "POST" || self.api.is_none() || end_of_stream || !self.is_json() {
+        if method != b"POST" || self.api.is_none() || end_of_stream || !self.is_json() {
             self.metrics().inc(self.metrics().passed_through);
             return Action::Continue;
         }
@@ -552,12 +580,12 @@ impl HttpContext for RequestFilter {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.first_byte = Some(self.get_current_time());
-        self.status = self
-            .get_http_response_header(":status")
-            .and_then(|s| s.parse().ok())
+        self.status = host::response_header(":status")
+            .and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok())
             .unwrap_or(0);
         if self.pick.pick_id.get().is_some() {
-            let content_type = self.get_http_response_header("content-type");
+            // A content type that is not UTF-8 is no JSON or SSE type.
+            let content_type = host::response_header("content-type").map(|v| String::from_utf8(v).unwrap_or_default());
             self.usage = Some(UsageReader::new(
                 content_type.as_deref(),
                 self.config().max_response_scan_bytes,

@@ -20,15 +20,19 @@ pub(crate) enum FailOpen {
     BadReply,
     /// The reply named no usable destination.
     NoDestination,
+    /// A field over its bound (a model name longer than any model has), or
+    /// a Pick over the sidecar's message limit: not asked at all.
+    Oversized,
 }
 
-const FAIL_OPEN_REASONS: [&str; 6] = [
+const FAIL_OPEN_REASONS: [&str; 7] = [
     "not_understood",
     "dispatch",
     "sidecar_error",
     "timeout",
     "bad_reply",
     "no_destination",
+    "oversized",
 ];
 
 /// Metric ids; `None` where the host refused to define one (never fatal).
@@ -40,6 +44,9 @@ pub(crate) struct Metrics {
     pub(crate) picks_unary: Option<u32>,
     pub(crate) passed_through: Option<u32>,
     pub(crate) forged_destination: Option<u32>,
+    /// A client-sent tenant header removed (it is trusted only from a hop
+    /// the operator configured).
+    pub(crate) client_tenant_removed: Option<u32>,
     pub(crate) truncated_body: Option<u32>,
     pub(crate) truncated_blocks: Option<u32>,
     pub(crate) outcomes_reported: Option<u32>,
@@ -47,7 +54,7 @@ pub(crate) struct Metrics {
     pub(crate) report_failed: Option<u32>,
     /// Pick replies that came after their request failed open.
     pub(crate) late_replies: Option<u32>,
-    fail_open: [Option<u32>; 6],
+    fail_open: [Option<u32>; FAIL_OPEN_REASONS.len()],
     parse_error: [Option<u32>; 4],
 }
 
@@ -60,6 +67,7 @@ impl Metrics {
             picks_unary: counter("kvmesh.sidecar.unary_calls"),
             passed_through: counter("kvmesh.passed_through"),
             forged_destination: counter("kvmesh.forged_destination_removed"),
+            client_tenant_removed: counter("kvmesh.client_tenant_removed"),
             truncated_body: counter("kvmesh.truncated.body"),
             truncated_blocks: counter("kvmesh.truncated.blocks"),
             outcomes_reported: counter("kvmesh.outcomes.reported"),

@@ -2,6 +2,7 @@
 //! `on_configure`. Errors name the offending field so Envoy's log says what
 //! to fix.
 
+use kvmesh_vocab::limits::{MAX_BLOCK_BYTES, MAX_BLOCKS, MIN_BLOCK_BYTES};
 use serde::Deserialize;
 
 use crate::hashing::BlockHash;
@@ -79,12 +80,19 @@ pub struct FilterConfig {
     pub agent_sources: Vec<IdSource>,
     /// Sources of a subagent's parent id (else the session id).
     pub parent_sources: Vec<IdSource>,
-    /// Header naming the tenant; without it, a hash of the credential is used.
+    /// Header naming the tenant, read only when `trust_tenant_header` is set.
     pub tenant_header: String,
+    /// The tenant header is set by a trusted hop (a gateway that
+    /// authenticates callers and strips the header from clients). Off by
+    /// default: the tenant is a hash of the caller's credential, and a
+    /// client-sent tenant header is removed, so no client can claim
+    /// another tenant's cache.
+    pub trust_tenant_header: bool,
     /// Header carrying a request priority (an integer, higher is sooner).
     pub priority_header: String,
     /// Extra client headers to remove because they steer routing; the
-    /// destination header is always removed.
+    /// destination header is always removed, and the tenant header too
+    /// unless it is trusted.
     pub strip_headers: Vec<String>,
     /// Most bytes of a non-streamed response kept to find its `usage`; longer
     /// responses keep their tail, where engines put it.
@@ -93,6 +101,12 @@ pub struct FilterConfig {
 
 /// The header the filter sets, and always removes from clients.
 pub const DESTINATION_HEADER: &str = "x-kvmesh-destination";
+
+/// Where Envoy's own header mutation filter, ahead of the Wasm filter in the
+/// shipped configurations, moves a client's [`DESTINATION_HEADER`]: steering
+/// stays closed if the VM is gone, and the filter still counts the attempt
+/// (and removes this one too).
+pub const FORGED_DESTINATION_HEADER: &str = "x-kvmesh-forged-destination";
 
 fn header(name: &str) -> IdSource {
     IdSource::Header(name.to_owned())
@@ -130,6 +144,7 @@ impl Default for FilterConfig {
                 header("x-parent-session-id"),
             ],
             tenant_header: "x-kvmesh-tenant".to_owned(),
+            trust_tenant_header: false,
             priority_header: "x-kvmesh-priority".to_owned(),
             strip_headers: Vec::new(),
             max_response_scan_bytes: 64 * 1024,
@@ -189,11 +204,14 @@ impl FilterConfig {
         if !(1..=60_000).contains(&self.sidecar_timeout_ms) {
             return fail("sidecar_timeout_ms", "must be between 1 and 60000");
         }
-        if !(16..=1 << 20).contains(&self.block_bytes) {
-            return fail("block_bytes", "must be between 16 and 1048576");
+        if !(MIN_BLOCK_BYTES..=MAX_BLOCK_BYTES).contains(&self.block_bytes) {
+            return fail(
+                "block_bytes",
+                format!("must be between {MIN_BLOCK_BYTES} and {MAX_BLOCK_BYTES}"),
+            );
         }
-        if self.max_blocks == 0 {
-            return fail("max_blocks", "must be at least 1");
+        if !(1..=MAX_BLOCKS).contains(&self.max_blocks) {
+            return fail("max_blocks", format!("must be between 1 and {MAX_BLOCKS}"));
         }
         if self.max_body_bytes < 1024 {
             return fail("max_body_bytes", "must be at least 1024");

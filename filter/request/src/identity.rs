@@ -5,26 +5,56 @@
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use kvmesh_vocab::limits::{MAX_ID_BYTES, clip};
+
 use crate::FilterConfig;
 use crate::canonical::Envelope;
 use crate::config::IdSource;
 
 /// Read access to request headers by lowercase name.
+///
+/// Header values are bytes: HTTP allows any octet but controls in a value,
+/// and a client can send `\xff`. Only [`Headers::bytes`] is required; text
+/// reads ([`Headers::get`]) see a value that is not UTF-8 as absent, so a
+/// hostile value is never an id, and never a panic.
 pub trait Headers {
-    fn get(&self, name: &str) -> Option<&str>;
+    /// The raw value of the first header named `name` (ASCII, any case).
+    fn bytes(&self, name: &str) -> Option<&[u8]>;
+
+    /// The value as text, `None` if absent or not UTF-8.
+    fn get(&self, name: &str) -> Option<&str> {
+        self.bytes(name).and_then(|v| std::str::from_utf8(v).ok())
+    }
 }
 
-impl Headers for [(String, String)] {
-    fn get(&self, name: &str) -> Option<&str> {
+/// Headers as the filter reads them from Envoy: names (which Envoy's codecs
+/// only accept as HTTP tokens) with byte values.
+impl Headers for [(String, Vec<u8>)] {
+    fn bytes(&self, name: &str) -> Option<&[u8]> {
         self.iter()
             .find(|(key, _)| key.eq_ignore_ascii_case(name))
-            .map(|(_, value)| value.as_str())
+            .map(|(_, value)| value.as_slice())
+    }
+}
+
+impl Headers for Vec<(String, Vec<u8>)> {
+    fn bytes(&self, name: &str) -> Option<&[u8]> {
+        Headers::bytes(self.as_slice(), name)
+    }
+}
+
+/// Text headers, as tests and the simulator build them.
+impl Headers for [(String, String)] {
+    fn bytes(&self, name: &str) -> Option<&[u8]> {
+        self.iter()
+            .find(|(key, _)| key.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.as_bytes())
     }
 }
 
 impl Headers for Vec<(String, String)> {
-    fn get(&self, name: &str) -> Option<&str> {
-        Headers::get(self.as_slice(), name)
+    fn bytes(&self, name: &str) -> Option<&[u8]> {
+        Headers::bytes(self.as_slice(), name)
     }
 }
 
@@ -118,9 +148,6 @@ pub struct Hints {
     pub latency_sensitivity: Option<f64>,
 }
 
-/// Longest id kept; longer values are cut (ids are keys, not payload).
-const MAX_ID_BYTES: usize = 256;
-
 fn read(source: &IdSource, headers: &impl Headers, envelope: &Envelope<'_>, session: &str) -> Option<String> {
     let found = match source {
         IdSource::Header(name) => headers.get(name).map(|v| v.trim().to_owned()),
@@ -134,7 +161,7 @@ fn read(source: &IdSource, headers: &impl Headers, envelope: &Envelope<'_>, sess
             .filter(|thread| *thread != session)
             .map(str::to_owned),
     };
-    found.filter(|id| !id.is_empty()).map(|id| clip(&id))
+    found.filter(|id| !id.is_empty()).map(|id| bounded_id(&id))
 }
 
 /// A string at a JSON pointer of the body. The first segment is found by the
@@ -223,21 +250,25 @@ pub fn hints(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterCon
     }
 }
 
-/// The tenant header if present, else a hash of the credential (never the key
-/// itself), else empty.
+/// The tenant: the tenant header when the operator trusts it (a hop in
+/// front, such as a gateway, sets it after authenticating the caller and
+/// strips what clients send), else a hash of the credential (never the key
+/// itself), else empty. A client cannot name another tenant: by default its
+/// header is not read (and the filter removes it).
 fn tenant(headers: &impl Headers, config: &FilterConfig) -> String {
-    if let Some(tenant) = headers
-        .get(&config.tenant_header)
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
+    if config.trust_tenant_header
+        && let Some(tenant) = headers
+            .get(&config.tenant_header)
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
     {
-        return clip(tenant);
+        return bounded_id(tenant);
     }
     ["authorization", "x-api-key"]
         .iter()
-        .find_map(|name| headers.get(name).filter(|v| !v.is_empty()))
+        .find_map(|name| headers.bytes(name).filter(|v| !v.is_empty()))
         .map(|credential| {
-            let digest = Sha256::digest(credential.as_bytes());
+            let digest = Sha256::digest(credential);
             let mut id = String::from("key:");
             for byte in &digest[..8] {
                 id.push_str(&format!("{byte:02x}"));
@@ -247,13 +278,16 @@ fn tenant(headers: &impl Headers, config: &FilterConfig) -> String {
         .unwrap_or_default()
 }
 
-fn clip(id: &str) -> String {
+/// Bytes of the hash suffix of a bounded id: `#` and 16 hex digits.
+const ID_HASH_SUFFIX_BYTES: usize = 17;
+
+/// `id` itself when it fits [`MAX_ID_BYTES`]; else its first bytes and a
+/// hash of the whole, `MAX_ID_BYTES` long at most. Ids are keys, not
+/// payload, and two long ids that share their first 239 bytes stay distinct.
+pub fn bounded_id(id: &str) -> String {
     if id.len() <= MAX_ID_BYTES {
         return id.to_owned();
     }
-    let mut end = MAX_ID_BYTES;
-    while !id.is_char_boundary(end) {
-        end -= 1;
-    }
-    id[..end].to_owned()
+    let hash = xxhash_rust::xxh3::xxh3_64(id.as_bytes());
+    format!("{}#{hash:016x}", clip(id, MAX_ID_BYTES - ID_HASH_SUFFIX_BYTES))
 }

@@ -15,9 +15,10 @@ mod scan;
 mod usage;
 
 pub use canonical::{Api, Canonical, CanonicalError, Envelope, Section, SectionKind, canonical_stream};
-pub use config::{ConfigError, DESTINATION_HEADER, FilterConfig, IdSource};
+pub use config::{ConfigError, DESTINATION_HEADER, FORGED_DESTINATION_HEADER, FilterConfig, IdSource};
 pub use hashing::{BlockHash, BlockHashes, block_hashes, salt};
-pub use identity::{Harness, Headers, Hints, Identity, hints, identify};
+pub use identity::{Harness, Headers, Hints, Identity, bounded_id, hints, identify};
+use kvmesh_vocab::limits::{MAX_ID_BYTES, MAX_SECTIONS};
 pub use scan::ScanError;
 pub use usage::{Usage, UsageReader};
 
@@ -45,6 +46,10 @@ pub enum NotUnderstood {
     Shape(#[from] CanonicalError),
     #[error("`model` is not a string")]
     Model,
+    /// No model has such a name: routing on it would only grow the
+    /// sidecar's per-model state.
+    #[error("`model` is {0} bytes long, over the {max}-byte bound", max = MAX_ID_BYTES)]
+    ModelTooLong(usize),
 }
 
 /// Understands one buffered request of a known `api`.
@@ -64,6 +69,9 @@ pub fn understand(
         Err(_) if truncated => String::new(),
         Err(_) => return Err(NotUnderstood::Model),
     };
+    if model.len() > MAX_ID_BYTES {
+        return Err(NotUnderstood::ModelTooLong(model.len()));
+    }
     let limit = config.max_blocks.saturating_mul(config.block_bytes);
     let mut canonical = canonical_stream(api, &envelope, limit)?;
     if truncated && envelope.raw("model").is_none() {
@@ -84,6 +92,9 @@ pub fn understand(
     // The stream stops where the block cap stops hashing: reaching that
     // point is the block cap at work, even if no byte was left unhashed.
     hashes.truncated |= canonical.stream.len() >= limit;
+    // The first sections are where a prefix breaks; a request with more
+    // parts than the bound reports the earliest ones.
+    canonical.sections.truncate(MAX_SECTIONS);
     Ok(Understood {
         api,
         model,

@@ -69,16 +69,16 @@ fn a_changed_system_prompt_breaks_the_chain_from_its_block_on() {
 
 #[test]
 fn tenants_models_and_cache_salts_never_share_hashes() {
-    let base = understood(&chat(2), &[("x-kvmesh-tenant", "a")]).hashes.hashes;
-    let other_tenant = understood(&chat(2), &[("x-kvmesh-tenant", "b")]).hashes.hashes;
+    let base = understood(&chat(2), &[("authorization", "Bearer a")]).hashes.hashes;
+    let other_tenant = understood(&chat(2), &[("authorization", "Bearer b")]).hashes.hashes;
     let mut other_model = chat(2);
     other_model["model"] = json!("llama");
     let mut salted = chat(2);
     salted["cache_salt"] = json!("s1");
     for other in [
         other_tenant,
-        understood(&other_model, &[("x-kvmesh-tenant", "a")]).hashes.hashes,
-        understood(&salted, &[("x-kvmesh-tenant", "a")]).hashes.hashes,
+        understood(&other_model, &[("authorization", "Bearer a")]).hashes.hashes,
+        understood(&salted, &[("authorization", "Bearer a")]).hashes.hashes,
     ] {
         assert!(base.iter().all(|h| !other.contains(h)));
     }
@@ -275,4 +275,88 @@ fn a_previous_response_id_starts_its_own_chain() {
         .hashes
         .hashes;
     assert!(a.iter().all(|h| !b.contains(h)));
+}
+
+fn understood_with(body: &serde_json::Value, hdrs: Vec<(String, Vec<u8>)>, config: &FilterConfig) -> Understood {
+    let bytes = serde_json::to_vec(body).unwrap();
+    understand(Api::ChatCompletions, &hdrs, &bytes, false, config).unwrap()
+}
+
+fn byte_headers(pairs: &[(&str, &[u8])]) -> Vec<(String, Vec<u8>)> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), v.to_vec())).collect()
+}
+
+#[test]
+fn a_client_sent_tenant_header_is_not_read_unless_trusted() {
+    let claim = byte_headers(&[("x-kvmesh-tenant", b"acme"), ("authorization", b"Bearer mallory")]);
+    let mallory = understood_with(&chat(1), claim.clone(), &FilterConfig::default()).identity;
+    let own = understood_with(&chat(1), byte_headers(&[("authorization", b"Bearer mallory")]), &FilterConfig::default())
+        .identity;
+    // By default the claim changes nothing: the tenant is the credential's.
+    assert_eq!(mallory.tenant, own.tenant);
+    assert!(mallory.tenant.starts_with("key:"), "{}", mallory.tenant);
+    let trusted = FilterConfig {
+        trust_tenant_header: true,
+        ..FilterConfig::default()
+    };
+    assert_eq!(understood_with(&chat(1), claim, &trusted).identity.tenant, "acme");
+}
+
+#[test]
+fn header_values_that_are_not_utf8_are_absent_ids_never_a_panic() {
+    let hdrs = byte_headers(&[
+        ("x-session-id", b"\xff\xfe\xc3("),
+        ("x-session-affinity", b"fallback"),
+        ("x-kvmesh-priority", b"\xff7"),
+        ("user-agent", b"caf\xe9"),
+        ("authorization", b"Bearer \xff\xfe"),
+    ]);
+    let u = understood_with(&chat(1), hdrs, &FilterConfig::default());
+    // The hostile session header is skipped; the next source is used.
+    assert_eq!(u.identity.session_id, "fallback");
+    assert_eq!(u.hints.priority, None);
+    assert_eq!(u.identity.harness, Harness::Other);
+    // A credential is hashed as bytes: two non-UTF-8 keys stay two tenants.
+    let other = understood_with(
+        &chat(1),
+        byte_headers(&[("authorization", b"Bearer \xff\xfd")]),
+        &FilterConfig::default(),
+    );
+    assert!(u.identity.tenant.starts_with("key:"));
+    assert_ne!(u.identity.tenant, other.identity.tenant);
+}
+
+#[test]
+fn long_ids_are_bounded_and_stay_distinct() {
+    let a = format!("{}a", "s".repeat(1000));
+    let b = format!("{}b", "s".repeat(1000));
+    let (ba, bb) = (bounded_id(&a), bounded_id(&b));
+    assert!(ba.len() <= kvmesh_vocab::limits::MAX_ID_BYTES && bb.len() <= kvmesh_vocab::limits::MAX_ID_BYTES);
+    assert_ne!(ba, bb);
+    assert_eq!(bounded_id("short"), "short");
+    // Multi-byte characters are never cut in half.
+    assert!(bounded_id(&"é".repeat(500)).starts_with('é'));
+    let u = understood(&chat(1), &[("x-session-id", a.as_str()), ("x-claude-code-agent-id", b.as_str())]);
+    assert_eq!(u.identity.session_id, ba);
+    assert_eq!(u.identity.agent_id, bb);
+}
+
+#[test]
+fn a_model_name_over_the_bound_is_not_routed_on_content() {
+    let mut body = chat(1);
+    body["model"] = json!("m".repeat(kvmesh_vocab::limits::MAX_ID_BYTES + 1));
+    let bytes = serde_json::to_vec(&body).unwrap();
+    let err = understand(Api::ChatCompletions, &headers(&[]), &bytes, false, &FilterConfig::default()).unwrap_err();
+    assert_eq!(err, NotUnderstood::ModelTooLong(kvmesh_vocab::limits::MAX_ID_BYTES + 1));
+    body["model"] = json!("m".repeat(kvmesh_vocab::limits::MAX_ID_BYTES));
+    assert_eq!(understood(&body, &[]).model.len(), kvmesh_vocab::limits::MAX_ID_BYTES);
+}
+
+#[test]
+fn sections_are_bounded() {
+    let messages: Vec<_> = (0..kvmesh_vocab::limits::MAX_SECTIONS + 100)
+        .map(|i| json!({"role": "user", "content": format!("m{i}")}))
+        .collect();
+    let u = understood(&json!({"model": "m", "messages": messages}), &[]);
+    assert_eq!(u.sections.len(), kvmesh_vocab::limits::MAX_SECTIONS);
 }

@@ -98,7 +98,13 @@ pub fn render(shipped: &str, o: &EnvoyOverrides<'_>) -> anyhow::Result<String> {
         let filters = direct["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
             .as_sequence_mut()
             .ok_or_else(|| anyhow!("envoy.yaml: no http_filters"))?;
-        filters.retain(|f| f.get("name").and_then(Value::as_str) != Some("kvmesh"));
+        // Plain Envoy: neither the Wasm filter nor the header mutation
+        // that guards it.
+        filters.retain(|f| {
+            !f.get("name")
+                .and_then(Value::as_str)
+                .is_some_and(|name| name == "kvmesh" || name.starts_with("kvmesh_"))
+        });
         get_mut(resources, "listeners")?
             .as_sequence_mut()
             .ok_or_else(|| anyhow!("envoy.yaml: listeners is not a list"))?

@@ -127,6 +127,38 @@ pub fn optional_patch_value(docs: &[Value], apply_to: &str, operation: &str) -> 
     }
 }
 
+/// The `patch.value` of the HTTP_FILTER INSERT_BEFORE patch inserting the
+/// HTTP filter `name` (the Wasm filter is `kvmesh`).
+pub fn inserted_http_filter(docs: &[Value], name: &str) -> anyhow::Result<Value> {
+    config_patches(docs)
+        .into_iter()
+        .filter(|p| p["applyTo"].as_str() == Some("HTTP_FILTER") && p["patch"]["operation"].as_str() == Some("INSERT_BEFORE"))
+        .map(|p| p["patch"]["value"].clone())
+        .find(|v| v["name"].as_str() == Some(name))
+        .ok_or_else(|| anyhow!("no HTTP_FILTER INSERT_BEFORE patch for {name}"))
+}
+
+/// The HTTP filter chain `[router]` after every HTTP_FILTER INSERT_BEFORE
+/// patch, applied in order as Istio does: each value goes right before the
+/// filter its `subFilter` names.
+fn http_filters(docs: &[Value], router: Value) -> anyhow::Result<Vec<Value>> {
+    let mut chain = vec![router];
+    for patch in config_patches(docs)
+        .into_iter()
+        .filter(|p| p["applyTo"].as_str() == Some("HTTP_FILTER") && p["patch"]["operation"].as_str() == Some("INSERT_BEFORE"))
+    {
+        let before = patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+            .as_str()
+            .ok_or_else(|| anyhow!("an HTTP_FILTER INSERT_BEFORE patch without a subFilter"))?;
+        let at = chain
+            .iter()
+            .position(|f| f["name"].as_str() == Some(before))
+            .ok_or_else(|| anyhow!("HTTP_FILTER INSERT_BEFORE {before}: no such filter (yet)"))?;
+        chain.insert(at, patch["patch"]["value"].clone());
+    }
+    Ok(chain)
+}
+
 /// The `patch.value` of the CLUSTER ADD patch adding the cluster `name`.
 pub fn added_cluster(docs: &[Value], name: &str) -> anyhow::Result<Value> {
     config_patches(docs)
@@ -188,7 +220,8 @@ pub fn point_cluster_at(cluster: &mut Value, addr: std::net::SocketAddr) -> anyh
 /// manifests of an overlay, the way Istio applies its EnvoyFilters to the
 /// outbound listener, route and cluster of the GPU Service:
 ///
-/// - the HTTP_FILTER INSERT_BEFORE value goes before the router;
+/// - each HTTP_FILTER INSERT_BEFORE value goes before its `subFilter`
+///   (the Wasm filter before the router, the header mutation before it);
 /// - the LISTENER MERGE value merges into the listener, the NETWORK_FILTER
 ///   MERGE value into its HTTP connection manager;
 /// - the HTTP_ROUTE MERGE value, if any, merges into the route;
@@ -200,7 +233,6 @@ pub fn point_cluster_at(cluster: &mut Value, addr: std::net::SocketAddr) -> anyh
 /// caller rewrites (`envoy_config::render`, `point_cluster_at`).
 pub fn bootstrap_from_manifests(rendered: &str) -> anyhow::Result<Value> {
     let docs = documents(rendered)?;
-    let filter = patch_value(&docs, "HTTP_FILTER", "INSERT_BEFORE")?;
     let listener_patch = patch_value(&docs, "LISTENER", "MERGE")?;
     let cluster_patch = patch_value(&docs, "CLUSTER", "MERGE")?;
     let route_patch = optional_patch_value(&docs, "HTTP_ROUTE", "MERGE")?;
@@ -227,7 +259,7 @@ typed_config:
 "#,
     )?;
     hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"] = Value::Sequence(vec![route]);
-    hcm["typed_config"]["http_filters"] = Value::Sequence(vec![filter, router]);
+    hcm["typed_config"]["http_filters"] = Value::Sequence(http_filters(&docs, router)?);
     proto_merge(&mut hcm, &hcm_patch);
     let mut listener = yaml("{name: agents, address: {socket_address: {address: 127.0.0.1, port_value: 10000}}}")?;
     listener["filter_chains"] = yaml("[{filters: []}]")?;

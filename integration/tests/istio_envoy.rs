@@ -28,8 +28,10 @@ fn bootstrap_with(
     fetch_retries: Option<u64>,
 ) -> anyhow::Result<String> {
     let mut doc = istio::bootstrap_from_manifests(&istio::render_overlay(overlay)?)?;
-    let filter = &mut doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-        [0];
+    let filter = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+        .as_sequence_mut()
+        .and_then(|filters| filters.iter_mut().find(|f| f["name"].as_str() == Some("kvmesh")))
+        .ok_or_else(|| anyhow::anyhow!("no kvmesh filter"))?;
     if let Some(remote) = filter["typed_config"]["config"]["vm_config"]["code"].get_mut("remote") {
         if let Some(sha) = sha256 {
             remote["sha256"] = sha.into();
@@ -221,17 +223,44 @@ async fn a_remote_module_with_the_wrong_digest_is_not_loaded() -> anyhow::Result
     // The data path stays up: the call passes through, unrouted.
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.saw_destination, None, "a module with a wrong digest routed");
+    // With no VM at all, Envoy's own header mutation still keeps a client
+    // from choosing its upstream: round robin answers, from every worker.
+    let target = cluster.worker_names()[0].clone();
+    let mut answered_by = std::collections::BTreeSet::new();
+    for turn in 0..6 {
+        let reply = cluster
+            .chat(
+                &AgentSession::new("acme/x").call(turn),
+                &[("x-session-id", "x"), ("x-kvmesh-destination", target.as_str())],
+            )
+            .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.saw_destination, None, "a forged destination reached the worker");
+        answered_by.insert(reply.worker.unwrap_or_default());
+    }
+    assert_eq!(answered_by.len(), 3, "a forged destination steered: {answered_by:?}");
     assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.picks").await.unwrap_or(0), 0);
     let log = cluster.envoy.log_tail();
     assert!(log.contains("Plugin kvmesh failed to load"), "{log}");
     Ok(())
 }
 
-/// The parts of a Wasm filter config that must match: all but the module's source.
+/// The parts of a Wasm filter config that must match: all but the module's
+/// source, and for a module fetched at run time its failure policy (it fails
+/// open rather than closed when the module does not arrive: see
+/// `overlays/sidecar-remote-module/module.yaml`).
 fn without_code(filter: &Value) -> Value {
     let mut filter = filter.clone();
+    let remote = filter["typed_config"]["config"]["vm_config"]["code"].get("remote").is_some();
     if let Some(vm) = filter["typed_config"]["config"]["vm_config"].as_mapping_mut() {
         vm.remove("code");
+    }
+    if let Some(config) = filter["typed_config"]["config"].as_mapping_mut()
+        && remote
+    {
+        assert_eq!(config.get("failure_policy").and_then(Value::as_str), Some("FAIL_OPEN"));
+        config.remove("failure_policy");
+        config.remove("reload_config");
     }
     filter
 }
@@ -252,12 +281,30 @@ fn the_standalone_envoy_yaml_carries_what_the_envoyfilters_patch_in() -> anyhow:
     let gpu = named(&resources["clusters"], "gpu_workers")?;
     let sidecar = named(&resources["clusters"], "kvmesh_sidecar")?;
     let standalone_filter = named(&hcm["http_filters"], "kvmesh")?;
+    let standalone_strip = named(&hcm["http_filters"], "kvmesh_strip_destination")?;
+    // Envoy moves a client's destination aside before the Wasm filter runs.
+    let order: Vec<&str> = hcm["http_filters"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f["name"].as_str())
+        .collect();
+    assert_eq!(order, ["kvmesh_strip_destination", "kvmesh", "envoy.filters.http.router"]);
 
     for overlay in OVERLAYS {
         let docs = documents(&istio::render_overlay(overlay)?)?;
         // The Wasm filter: identical but for where the module comes from.
-        let filter = istio::patch_value(&docs, "HTTP_FILTER", "INSERT_BEFORE")?;
-        assert_eq!(without_code(&filter), without_code(standalone_filter), "{overlay}");
+        let filter = istio::inserted_http_filter(&docs, "kvmesh")?;
+        let mut expected = without_code(standalone_filter);
+        if overlay == "sidecar-remote-module"
+            && let Some(config) = expected["typed_config"]["config"].as_mapping_mut()
+        {
+            config.remove("failure_policy");
+            config.remove("reload_config");
+        }
+        assert_eq!(without_code(&filter), expected, "{overlay}");
+        let strip = istio::inserted_http_filter(&docs, "kvmesh_strip_destination")?;
+        assert_eq!(&strip, standalone_strip, "{overlay}");
         // The GPU cluster: every field the MERGE sets, and no other.
         let merge = istio::patch_value(&docs, "CLUSTER", "MERGE")?;
         let mut keys: Vec<&str> = merge

@@ -294,7 +294,7 @@ fn the_sidecar_deployment_is_what_the_install_promises() -> anyhow::Result<()> {
     let socket = &added["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
     assert_eq!(socket["address"].as_str(), Some("kvmesh-sidecar.llm.svc.cluster.local"));
     assert_eq!(socket["port_value"].as_u64(), Some(50051));
-    let filter = istio::patch_value(&docs, "HTTP_FILTER", "INSERT_BEFORE")?;
+    let filter = istio::inserted_http_filter(&docs, "kvmesh")?;
     let plugin: serde_json::Value = serde_json::from_str(
         filter["typed_config"]["config"]["configuration"]["value"]
             .as_str()
@@ -436,7 +436,7 @@ fn the_pod_patch_mounts_the_module_where_the_envoyfilter_loads_it() -> anyhow::R
     // The EnvoyFilter loads <mountPath>/kvmesh_filter.wasm, the ConfigMap key
     // docs/deploy-istio.md creates.
     let docs = documents(&istio::render_overlay("sidecar")?)?;
-    let filter = istio::patch_value(&docs, "HTTP_FILTER", "INSERT_BEFORE")?;
+    let filter = istio::inserted_http_filter(&docs, "kvmesh")?;
     assert_eq!(
         filter["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"].as_str(),
         Some(format!("{dir}/kvmesh_filter.wasm").as_str())
@@ -450,7 +450,7 @@ fn the_pod_patch_mounts_the_module_where_the_envoyfilter_loads_it() -> anyhow::R
 #[test]
 fn the_remote_module_is_fetched_through_the_cluster_that_serves_its_url() -> anyhow::Result<()> {
     let docs = documents(&istio::render_overlay("sidecar-remote-module")?)?;
-    let filter = istio::patch_value(&docs, "HTTP_FILTER", "INSERT_BEFORE")?;
+    let filter = istio::inserted_http_filter(&docs, "kvmesh")?;
     let remote = &filter["typed_config"]["config"]["vm_config"]["code"]["remote"];
     let uri = remote["http_uri"]["uri"].as_str().unwrap_or_default();
     let cluster_name = remote["http_uri"]["cluster"].as_str().unwrap_or_default();

@@ -266,8 +266,7 @@ impl RequestFilter {
             None => true,
             Some(value) => {
                 let essence = value.split(|b| *b == b';').next().unwrap_or_default().trim_ascii();
-                essence.eq_ignore_ascii_case(b"application/json")
-                    || essence.to_ascii_lowercase().ends_with(b"+json")
+                essence.eq_ignore_ascii_case(b"application/json") || essence.to_ascii_lowercase().ends_with(b"+json")
             }
         }
     }

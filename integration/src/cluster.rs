@@ -86,6 +86,34 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// Sends `request` and reads what came back.
+    pub async fn read(request: reqwest::RequestBuilder) -> anyhow::Result<Self> {
+        let started = Instant::now();
+        let response = request.send().await.context("request through Envoy")?;
+        let status = response.status().as_u16();
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let worker = header("x-kvmesh-sim-worker");
+        let saw_destination = header("x-kvmesh-sim-saw-destination");
+        let worker_body_sha256 = header("x-kvmesh-sim-body-sha256");
+        let worker_body_bytes = header("x-kvmesh-sim-body-bytes").and_then(|v| v.parse().ok());
+        let body = response.text().await.context("reading the reply")?;
+        Ok(Self {
+            status,
+            worker,
+            saw_destination,
+            worker_body_sha256,
+            worker_body_bytes,
+            body,
+            latency: started.elapsed(),
+        })
+    }
+
     /// `usage.prompt_tokens_details.cached_tokens` of a JSON reply.
     pub fn cached_tokens(&self) -> Option<u64> {
         let json: Value = serde_json::from_str(&self.body).ok()?;
@@ -306,30 +334,41 @@ impl Cluster {
         for (k, v) in headers {
             request = request.header(*k, *v);
         }
-        let started = Instant::now();
-        let response = request.body(body).send().await.context("request through Envoy")?;
-        let status = response.status().as_u16();
-        let header = |name: &str| {
-            response
-                .headers()
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned)
-        };
-        let worker = header("x-kvmesh-sim-worker");
-        let saw_destination = header("x-kvmesh-sim-saw-destination");
-        let worker_body_sha256 = header("x-kvmesh-sim-body-sha256");
-        let worker_body_bytes = header("x-kvmesh-sim-body-bytes").and_then(|v| v.parse().ok());
-        let body = response.text().await.context("reading the reply")?;
-        Ok(Reply {
-            status,
-            worker,
-            saw_destination,
-            worker_body_sha256,
-            worker_body_bytes,
-            body,
-            latency: started.elapsed(),
-        })
+        Reply::read(request.body(body)).await
+    }
+
+    /// As `send`, with header values given as bytes (any octet HTTP allows
+    /// in a value, `\xff` included), over HTTP/2 (prior knowledge) when
+    /// `http2`, on a fresh connection either way.
+    pub async fn send_bytes(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        headers: &[(&str, &[u8])],
+        body: Vec<u8>,
+        http2: bool,
+    ) -> anyhow::Result<Reply> {
+        let builder = reqwest::Client::builder().pool_max_idle_per_host(0);
+        let client = if http2 {
+            builder.http2_prior_knowledge()
+        } else {
+            builder.http1_only()
+        }
+        .build()?;
+        let mut map = reqwest::header::HeaderMap::new();
+        for (k, v) in headers {
+            map.append(
+                reqwest::header::HeaderName::from_bytes(k.as_bytes())?,
+                reqwest::header::HeaderValue::from_bytes(v)?,
+            );
+        }
+        Reply::read(
+            client
+                .request(method, format!("{}{path}", self.envoy_url))
+                .headers(map)
+                .body(body),
+        )
+        .await
     }
 
     /// Sends a JSON chat completion with extra headers.

@@ -132,7 +132,9 @@ pub fn optional_patch_value(docs: &[Value], apply_to: &str, operation: &str) -> 
 pub fn inserted_http_filter(docs: &[Value], name: &str) -> anyhow::Result<Value> {
     config_patches(docs)
         .into_iter()
-        .filter(|p| p["applyTo"].as_str() == Some("HTTP_FILTER") && p["patch"]["operation"].as_str() == Some("INSERT_BEFORE"))
+        .filter(|p| {
+            p["applyTo"].as_str() == Some("HTTP_FILTER") && p["patch"]["operation"].as_str() == Some("INSERT_BEFORE")
+        })
         .map(|p| p["patch"]["value"].clone())
         .find(|v| v["name"].as_str() == Some(name))
         .ok_or_else(|| anyhow!("no HTTP_FILTER INSERT_BEFORE patch for {name}"))
@@ -143,10 +145,9 @@ pub fn inserted_http_filter(docs: &[Value], name: &str) -> anyhow::Result<Value>
 /// filter its `subFilter` names.
 fn http_filters(docs: &[Value], router: Value) -> anyhow::Result<Vec<Value>> {
     let mut chain = vec![router];
-    for patch in config_patches(docs)
-        .into_iter()
-        .filter(|p| p["applyTo"].as_str() == Some("HTTP_FILTER") && p["patch"]["operation"].as_str() == Some("INSERT_BEFORE"))
-    {
+    for patch in config_patches(docs).into_iter().filter(|p| {
+        p["applyTo"].as_str() == Some("HTTP_FILTER") && p["patch"]["operation"].as_str() == Some("INSERT_BEFORE")
+    }) {
         let before = patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
             .as_str()
             .ok_or_else(|| anyhow!("an HTTP_FILTER INSERT_BEFORE patch without a subFilter"))?;

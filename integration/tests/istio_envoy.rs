@@ -28,10 +28,11 @@ fn bootstrap_with(
     fetch_retries: Option<u64>,
 ) -> anyhow::Result<String> {
     let mut doc = istio::bootstrap_from_manifests(&istio::render_overlay(overlay)?)?;
-    let filter = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-        .as_sequence_mut()
-        .and_then(|filters| filters.iter_mut().find(|f| f["name"].as_str() == Some("kvmesh")))
-        .ok_or_else(|| anyhow::anyhow!("no kvmesh filter"))?;
+    let filter =
+        doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+            .as_sequence_mut()
+            .and_then(|filters| filters.iter_mut().find(|f| f["name"].as_str() == Some("kvmesh")))
+            .ok_or_else(|| anyhow::anyhow!("no kvmesh filter"))?;
     if let Some(remote) = filter["typed_config"]["config"]["vm_config"]["code"].get_mut("remote") {
         if let Some(sha) = sha256 {
             remote["sha256"] = sha.into();
@@ -251,7 +252,9 @@ async fn a_remote_module_with_the_wrong_digest_is_not_loaded() -> anyhow::Result
 /// `overlays/sidecar-remote-module/module.yaml`).
 fn without_code(filter: &Value) -> Value {
     let mut filter = filter.clone();
-    let remote = filter["typed_config"]["config"]["vm_config"]["code"].get("remote").is_some();
+    let remote = filter["typed_config"]["config"]["vm_config"]["code"]
+        .get("remote")
+        .is_some();
     if let Some(vm) = filter["typed_config"]["config"]["vm_config"].as_mapping_mut() {
         vm.remove("code");
     }
@@ -289,7 +292,10 @@ fn the_standalone_envoy_yaml_carries_what_the_envoyfilters_patch_in() -> anyhow:
         .flatten()
         .filter_map(|f| f["name"].as_str())
         .collect();
-    assert_eq!(order, ["kvmesh_strip_destination", "kvmesh", "envoy.filters.http.router"]);
+    assert_eq!(
+        order,
+        ["kvmesh_strip_destination", "kvmesh", "envoy.filters.http.router"]
+    );
 
     for overlay in OVERLAYS {
         let docs = documents(&istio::render_overlay(overlay)?)?;

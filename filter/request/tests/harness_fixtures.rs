@@ -185,7 +185,10 @@ fn two_tenants_with_identical_prompts_share_no_hash() {
             headers.push(("x-kvmesh-tenant".to_owned(), t.to_owned()));
             let api = Api::from_path(&f.path).unwrap();
             let bytes = serde_json::to_vec(&f.body).unwrap();
-            understand(api, &headers, &bytes, false, &trusted).unwrap().hashes.hashes
+            understand(api, &headers, &bytes, false, &trusted)
+                .unwrap()
+                .hashes
+                .hashes
         };
         let (a, b) = (tenant("team-a"), tenant("team-b"));
         assert!(a.iter().all(|h| !b.contains(h)), "{}: tenants share a hash", f.name);

@@ -188,6 +188,11 @@ fn tag(app: &App, request_headers: &HeaderMap, body: &[u8], mut response: Respon
     if let Some(v) = request_headers.get("x-kvmesh-destination") {
         headers.insert("x-kvmesh-sim-saw-destination", v.clone());
     }
+    // A misbehaving engine on request: the response's content type set to
+    // the given bytes (tests send ones that are not UTF-8).
+    if let Some(v) = request_headers.get("x-kvmesh-sim-content-type") {
+        headers.insert(axum::http::header::CONTENT_TYPE, v.clone());
+    }
     response
 }
 

@@ -290,8 +290,12 @@ fn byte_headers(pairs: &[(&str, &[u8])]) -> Vec<(String, Vec<u8>)> {
 fn a_client_sent_tenant_header_is_not_read_unless_trusted() {
     let claim = byte_headers(&[("x-kvmesh-tenant", b"acme"), ("authorization", b"Bearer mallory")]);
     let mallory = understood_with(&chat(1), claim.clone(), &FilterConfig::default()).identity;
-    let own = understood_with(&chat(1), byte_headers(&[("authorization", b"Bearer mallory")]), &FilterConfig::default())
-        .identity;
+    let own = understood_with(
+        &chat(1),
+        byte_headers(&[("authorization", b"Bearer mallory")]),
+        &FilterConfig::default(),
+    )
+    .identity;
     // By default the claim changes nothing: the tenant is the credential's.
     assert_eq!(mallory.tenant, own.tenant);
     assert!(mallory.tenant.starts_with("key:"), "{}", mallory.tenant);
@@ -336,7 +340,10 @@ fn long_ids_are_bounded_and_stay_distinct() {
     assert_eq!(bounded_id("short"), "short");
     // Multi-byte characters are never cut in half.
     assert!(bounded_id(&"é".repeat(500)).starts_with('é'));
-    let u = understood(&chat(1), &[("x-session-id", a.as_str()), ("x-claude-code-agent-id", b.as_str())]);
+    let u = understood(
+        &chat(1),
+        &[("x-session-id", a.as_str()), ("x-claude-code-agent-id", b.as_str())],
+    );
     assert_eq!(u.identity.session_id, ba);
     assert_eq!(u.identity.agent_id, bb);
 }
@@ -346,7 +353,14 @@ fn a_model_name_over_the_bound_is_not_routed_on_content() {
     let mut body = chat(1);
     body["model"] = json!("m".repeat(kvmesh_vocab::limits::MAX_ID_BYTES + 1));
     let bytes = serde_json::to_vec(&body).unwrap();
-    let err = understand(Api::ChatCompletions, &headers(&[]), &bytes, false, &FilterConfig::default()).unwrap_err();
+    let err = understand(
+        Api::ChatCompletions,
+        &headers(&[]),
+        &bytes,
+        false,
+        &FilterConfig::default(),
+    )
+    .unwrap_err();
     assert_eq!(err, NotUnderstood::ModelTooLong(kvmesh_vocab::limits::MAX_ID_BYTES + 1));
     body["model"] = json!("m".repeat(kvmesh_vocab::limits::MAX_ID_BYTES));
     assert_eq!(understood(&body, &[]).model.len(), kvmesh_vocab::limits::MAX_ID_BYTES);

@@ -14,6 +14,8 @@ build:
     cargo build --workspace --bins --locked
     cargo build --release --locked --target {{wasm_target}} -p kvmesh-filter
     @ls -l target/{{wasm_target}}/release/kvmesh_filter.wasm
+    # Tests only: the filter that panics on demand (VM reload tests).
+    cargo build --release --locked --target {{wasm_target}} -p kvmesh-filter --features crash-test --target-dir target/crash-test
 
 # Run the demo: Envoy + filter + sidecar + 3 simulated workers, two agent sessions.
 demo: build
@@ -31,6 +33,7 @@ check-fmt:
 clippy:
     cargo clippy --workspace --all-targets --locked -- -D warnings
     cargo clippy --locked --target {{wasm_target}} -p kvmesh-filter -p kvmesh-request -p kvmesh-proto -- -D warnings
+    cargo clippy --locked --target {{wasm_target}} -p kvmesh-filter --features crash-test -- -D warnings
 
 # Regenerate proto/src/gen from proto/kvmesh/v1/kvmesh.proto.
 codegen:

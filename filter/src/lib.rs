@@ -528,6 +528,11 @@ impl Context for RequestFilter {
 
 impl HttpContext for RequestFilter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        #[cfg(feature = "crash-test")]
+        #[allow(clippy::panic)]
+        if host::request_header("x-kvmesh-test-crash").is_some() {
+            panic!("kvmesh crash-test build: x-kvmesh-test-crash");
+        }
         self.strip_routing_headers();
         let method = host::request_header(":method").unwrap_or_default();
         // A path that is not UTF-8 names no inference API: it passes through.

@@ -37,6 +37,9 @@ pub struct ClusterOptions {
     /// `gpu_workers` and `kvmesh_sidecar`), e.g. one assembled from the
     /// Istio EnvoyFilters.
     pub envoy_template: Option<String>,
+    /// The Wasm module Envoy loads instead of the release build of the
+    /// filter (e.g. `paths::crash_test_wasm`).
+    pub filter_wasm: Option<PathBuf>,
 }
 
 impl Default for ClusterOptions {
@@ -58,6 +61,7 @@ impl Default for ClusterOptions {
             ],
             redis: false,
             envoy_template: None,
+            filter_wasm: None,
         }
     }
 }
@@ -250,7 +254,10 @@ impl Cluster {
             &options.sidecar_args,
         )?;
 
-        let wasm = paths::filter_wasm()?;
+        let wasm = match &options.filter_wasm {
+            Some(path) => path.clone(),
+            None => paths::filter_wasm()?,
+        };
         let shipped = match &options.envoy_template {
             Some(template) => template.clone(),
             None => std::fs::read_to_string(paths::envoy_yaml())?,

@@ -50,6 +50,17 @@ pub fn filter_wasm() -> anyhow::Result<PathBuf> {
     path.canonicalize().context("resolving the Wasm path")
 }
 
+/// The filter built with its `crash-test` feature (by `just build`): it
+/// panics on a request carrying `x-kvmesh-test-crash`, so tests can watch
+/// Envoy rebuild a failed VM. Never shipped.
+pub fn crash_test_wasm() -> anyhow::Result<PathBuf> {
+    let path = target_dir().join("crash-test/wasm32-wasip1/release/kvmesh_filter.wasm");
+    if !path.is_file() {
+        bail!("{} is missing: run `just build` first", path.display());
+    }
+    path.canonicalize().context("resolving the Wasm path")
+}
+
 /// Envoy: `$KVMESH_ENVOY`, else the one `./dev` installs, else `envoy` on PATH.
 pub fn envoy() -> PathBuf {
     if let Some(path) = std::env::var_os("KVMESH_ENVOY") {

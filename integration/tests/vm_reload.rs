@@ -1,0 +1,89 @@
+//! A filter VM that fails is rebuilt and counted: with the shipped
+//! `failure_policy: FAIL_RELOAD`, a panic (here on purpose, from the
+//! filter's `crash-test` build) costs the request that caused it a 503,
+//! Envoy rebuilds the VM for the next one, `wasm.kvmesh.vm_reload_success`
+//! counts it for alerts, routing resumes, and steering stays closed
+//! throughout.
+
+use std::time::{Duration, Instant};
+
+use kvmesh_integration::paths;
+use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_vm_is_rebuilt_counted_and_routes_again() -> anyhow::Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        filter_wasm: Some(paths::crash_test_wasm()?),
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let session = AgentSession::new("acme/reload");
+    let headers = [("x-session-id", "reload")];
+    let first = cluster.chat(&session.call(0), &headers).await?;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let home = first.worker.clone().unwrap_or_default();
+    assert_eq!(
+        cluster
+            .envoy_counter("wasm.kvmesh.vm_reload_success")
+            .await
+            .unwrap_or(0),
+        0
+    );
+
+    let crashed = cluster
+        .chat(
+            &session.call(1),
+            &[("x-session-id", "reload"), ("x-kvmesh-test-crash", "1")],
+        )
+        .await?;
+    assert_eq!(crashed.status, 503, "the failing request: {}", crashed.body);
+    assert!(
+        cluster
+            .envoy
+            .log()
+            .contains("Function: proxy_on_request_headers failed"),
+        "the VM did not fail: {}",
+        cluster.envoy.log_tail()
+    );
+
+    // Every later request is routed (on fresh connections, so on both
+    // Envoy worker threads, the failed one included, whose VM is rebuilt
+    // for its next request), and a forged destination never steers.
+    let other = cluster
+        .worker_names()
+        .into_iter()
+        .find(|w| *w != home)
+        .unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut turn = 2;
+    while cluster
+        .envoy_counter("wasm.kvmesh.vm_reload_success")
+        .await
+        .unwrap_or(0)
+        == 0
+    {
+        assert!(Instant::now() < deadline, "the failed VM was not rebuilt");
+        let reply = cluster
+            .send_bytes(
+                reqwest::Method::POST,
+                "/v1/chat/completions",
+                &[
+                    ("content-type", b"application/json"),
+                    ("x-session-id", b"reload"),
+                    ("x-kvmesh-destination", other.as_bytes()),
+                ],
+                serde_json::to_vec(&session.call(turn))?,
+                false,
+            )
+            .await?;
+        turn += 1;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert!(reply.saw_destination.is_some(), "not routed after the VM failed");
+        assert_eq!(
+            reply.worker.as_deref(),
+            Some(home.as_str()),
+            "a forged destination steered"
+        );
+    }
+    Ok(())
+}

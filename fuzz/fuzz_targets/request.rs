@@ -1,31 +1,60 @@
 //! The filter's request understanding on arbitrary bytes, as every API, as a
-//! whole body and as one cut at the cap: never a panic; when it succeeds
-//! the result is bounded by the configuration.
+//! whole body and as one cut at the cap, with arbitrary header bytes (not
+//! only UTF-8) in every header it reads: never a panic; when it succeeds
+//! the result is bounded by the configuration and by the wire's limits.
 #![no_main]
 
 use kvmesh_request::{Api, FilterConfig, understand};
+use kvmesh_vocab::limits::{MAX_ID_BYTES, MAX_SECTIONS};
 use libfuzzer_sys::fuzz_target;
 
+/// Headers the filter reads; the fuzzer's bytes become their values.
+const READ_HEADERS: [&str; 10] = [
+    "x-session-id",
+    "x-claude-code-agent-id",
+    "x-parent-session-id",
+    "authorization",
+    "x-kvmesh-tenant",
+    "user-agent",
+    "originator",
+    "thread-id",
+    "x-kvmesh-priority",
+    "x-dynamo-session-final",
+];
+
 fuzz_target!(|data: &[u8]| {
+    // The first byte picks the headers and the trust setting, the next
+    // bytes (up to the first 0x00) are header values, the rest is the body.
+    let (selector, rest) = data.split_first().map_or((0, data), |(s, b)| (*s, b));
+    let (values, body) = match rest.iter().position(|b| *b == 0) {
+        Some(at) if selector & 1 == 1 => (&rest[..at], &rest[at + 1..]),
+        _ => (&[][..], rest),
+    };
     let config = FilterConfig {
         max_blocks: 64,
         block_bytes: 16,
+        trust_tenant_header: selector & 2 == 2,
         ..FilterConfig::default()
     };
-    // The first byte picks the headers, the rest is the body.
-    let (selector, body) = data.split_first().map_or((0, data), |(s, b)| (*s, b));
-    let mut headers = vec![("content-type".to_owned(), "application/json".to_owned())];
-    if selector & 1 == 1 {
-        headers.push((
-            "x-session-id".to_owned(),
-            String::from_utf8_lossy(body.get(..8).unwrap_or(body)).into_owned(),
-        ));
+    let mut headers: Vec<(String, Vec<u8>)> = vec![("content-type".to_owned(), b"application/json".to_vec())];
+    // Each header gets a slice of the values, split at 0xff bytes.
+    for (name, value) in READ_HEADERS.iter().zip(values.split(|b| *b == 0xff)) {
+        headers.push(((*name).to_owned(), value.to_vec()));
     }
     for api in Api::ALL {
         for truncated in [false, true] {
             if let Ok(u) = understand(api, &headers, body, truncated, &config) {
                 assert!(u.hashes.hashes.len() <= config.max_blocks);
-                assert!(u.identity.session_id.len() <= 256);
+                assert!(u.model.len() <= MAX_ID_BYTES);
+                assert!(u.sections.len() <= MAX_SECTIONS);
+                for id in [
+                    &u.identity.session_id,
+                    &u.identity.agent_id,
+                    &u.identity.parent_id,
+                    &u.identity.tenant,
+                ] {
+                    assert!(id.len() <= MAX_ID_BYTES, "{} bytes", id.len());
+                }
             }
         }
     }

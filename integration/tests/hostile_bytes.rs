@@ -8,8 +8,21 @@
 
 use std::time::Duration;
 
+use kvmesh_integration::paths::repo_root;
 use kvmesh_integration::{AgentSession, Cluster, ClusterOptions, Reply};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The header cases of the corpus: (case, header name, value bytes).
+fn header_corpus() -> anyhow::Result<Vec<(String, String, Vec<u8>)>> {
+    let text = std::fs::read_to_string(repo_root().join("integration/hostile/header_values.jsonl"))?;
+    text.lines()
+        .map(|line| {
+            let case: serde_json::Value = serde_json::from_str(line)?;
+            let field = |key: &str| case[key].as_str().unwrap_or_default().to_owned();
+            Ok((field("case"), field("header"), hex::decode(field("hex"))?))
+        })
+        .collect()
+}
 
 fn chat_body(session: &AgentSession, turn: usize) -> anyhow::Result<Vec<u8>> {
     Ok(serde_json::to_vec(&session.call(turn))?)
@@ -63,30 +76,36 @@ async fn bytes_that_are_not_utf8_never_panic_the_filter_and_never_reopen_steerin
         assert_eq!(reply.saw_destination, None);
     }
 
-    // Routed API calls with hostile header values, both protocols.
+    // Routed API calls with each hostile header value of the corpus
+    // (`integration/hostile/header_values.jsonl`), both protocols.
     let mut turn = 0;
     for http2 in [false, true] {
-        for (name, value) in [
-            ("x-session-id", &b"\xff\xfe\xc3("[..]),
-            ("x-anything", b"caf\xe9"),
-            ("x-kvmesh-destination", b"\xff"),
-            ("authorization", b"Bearer \xff\xfe"),
-            ("user-agent", b"claude-cli/\xff"),
-            ("x-kvmesh-priority", b"\xff"),
-        ] {
-            let case = format!("{name} over {}", if http2 { "HTTP/2" } else { "HTTP/1" });
+        for (case, name, value) in header_corpus()? {
+            let case = format!("{case} over {}", if http2 { "HTTP/2" } else { "HTTP/1" });
+            let mut headers = vec![
+                (name.as_str(), value.as_slice()),
+                ("x-session-affinity", b"hostile-bytes"),
+            ];
+            if name != "content-type" {
+                headers.push(json);
+            }
             let reply = cluster
                 .send_bytes(
                     reqwest::Method::POST,
                     "/v1/chat/completions",
-                    &[json, (name, value), ("x-session-affinity", b"hostile-bytes")],
+                    &headers,
                     chat_body(&session, turn)?,
                     http2,
                 )
                 .await?;
-            assert_routed(&reply, &case);
-            assert_no_vm_failure(&cluster);
             turn += 1;
+            assert_no_vm_failure(&cluster);
+            if name == "content-type" {
+                // Not a JSON content type: passed through, unrouted.
+                assert_eq!(reply.status, 200, "{case}: {}", reply.body);
+                continue;
+            }
+            assert_routed(&reply, &case);
         }
     }
 
@@ -209,4 +228,41 @@ async fn raw_http1_status(cluster: &Cluster, extra: &[u8]) -> anyhow::Result<u16
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| anyhow::anyhow!("no status in {line:?}"))?;
     Ok(status)
+}
+
+/// A model name of 5 MB (over the 4 MiB gRPC limit that tore down the
+/// shared Pick stream when such a name reached the sidecar) fails open that
+/// request alone: it is never asked about, and the calls around it, sharing
+/// the filter's stream, are routed as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5_mb_model_name_fails_open_alone_and_the_stream_stays_up() -> anyhow::Result<()> {
+    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let session = AgentSession::new("acme/huge-model");
+    let headers = [("x-session-id", "huge-model")];
+    let before = cluster.chat(&session.call(0), &headers).await?;
+    assert_routed(&before, "before");
+    let mut huge = session.call(1);
+    huge["model"] = serde_json::json!("m".repeat(5 * 1024 * 1024));
+    let beside = session.call(1);
+    let (huge_reply, during) = tokio::join!(
+        cluster.chat(&huge, &[("x-session-id", "huge-model-2")]),
+        cluster.chat(&beside, &headers)
+    );
+    let huge_reply = huge_reply?;
+    assert_eq!(huge_reply.status, 200, "{}", huge_reply.body);
+    assert_eq!(huge_reply.saw_destination, None, "a 5 MB model name was routed on");
+    assert_routed(&during?, "beside it");
+    let after = cluster.chat(&session.call(2), &headers).await?;
+    assert_routed(&after, "after");
+    assert_eq!(after.worker, before.worker, "the session moved");
+    assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.fail_open.oversized").await?, 1);
+    assert_eq!(
+        cluster
+            .envoy_counter("wasmcustom.kvmesh.fail_open.sidecar_error")
+            .await?,
+        0
+    );
+    assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.sidecar.unary_calls").await?, 0);
+    assert_no_vm_failure(&cluster);
+    Ok(())
 }

@@ -13,6 +13,8 @@ use std::collections::VecDeque;
 
 use hashbrown::HashMap;
 
+use kvmesh_vocab::limits::MAX_PROMPT_TOKENS;
+
 use crate::lru::Lru;
 use crate::{PickInput, WorkerId};
 
@@ -210,8 +212,8 @@ impl Totals {
     /// Adds another label's or bucket's sums to these.
     pub fn add(&mut self, other: &Totals) {
         self.calls += other.calls;
-        self.prompt_bytes += other.prompt_bytes;
-        self.repeated_prefix_bytes += other.repeated_prefix_bytes;
+        self.prompt_bytes = self.prompt_bytes.saturating_add(other.prompt_bytes);
+        self.repeated_prefix_bytes = self.repeated_prefix_bytes.saturating_add(other.repeated_prefix_bytes);
         self.prompt_tokens += other.prompt_tokens;
         self.repeated_prefix_tokens += other.repeated_prefix_tokens;
         self.predicted_cached_tokens += other.predicted_cached_tokens;
@@ -520,7 +522,7 @@ impl Insights {
             4.0
         };
         let block_tokens = f64::from(call.input.block_bytes()) / bytes_per_token;
-        let prompt_tokens = call.input.prompt_bytes as f64 / bytes_per_token;
+        let prompt_tokens = (call.input.prompt_bytes as f64 / bytes_per_token).min(MAX_PROMPT_TOKENS as f64);
         let tokens = |blocks: usize| (blocks as f64 * block_tokens).min(prompt_tokens);
         let key = trace_key(call.input.routing_key(), call.input.model);
         let now = call.input.now_ms;
@@ -566,8 +568,9 @@ impl Insights {
             .min(call.input.prompt_bytes);
         self.count(label, now, |t| {
             t.calls += 1;
-            t.prompt_bytes += call.input.prompt_bytes;
-            t.repeated_prefix_bytes += repeated_bytes;
+            // Saturating: a byte count from the wire must not wrap a counter.
+            t.prompt_bytes = t.prompt_bytes.saturating_add(call.input.prompt_bytes);
+            t.repeated_prefix_bytes = t.repeated_prefix_bytes.saturating_add(repeated_bytes);
             t.prompt_tokens += prompt_tokens;
             t.repeated_prefix_tokens += tokens(repeated);
             t.predicted_cached_tokens += tokens(placed.predicted_blocks);
@@ -624,7 +627,7 @@ impl Insights {
             sections: call.sections.to_vec(),
             held_tokens: tokens(call.input.full_blocks().len()),
             prefill_tokens_per_ms: placed.prefill_tokens_per_ms,
-            in_flight: self.traces.get(&key).map_or(0, |t| t.in_flight) + 1,
+            in_flight: self.traces.get(&key).map_or(0, |t| t.in_flight).saturating_add(1),
             idle_since_ms: None,
             accrued_to_ms: now,
             last_seen_ms: now,
@@ -658,7 +661,10 @@ impl Insights {
         } else {
             10.0
         };
-        let usage = prompt_tokens.map(|prompt| {
+        // The edge drops implausible usage before it gets here; the
+        // absolute bounds are checked again so no driver can wrap a total.
+        let plausible = crate::usage::check_usage(None, prompt_tokens, cached_tokens).is_ok();
+        let usage = prompt_tokens.filter(|_| plausible).map(|prompt| {
             let prompt = prompt as f64;
             let cached = (cached_tokens.unwrap_or(0) as f64).min(prompt);
             (prompt, cached)

@@ -22,7 +22,7 @@ pub use router::{
     Decision, Outcome, PickInput, Reason, Router, RouterConfig, Snapshot, WorkerId, WorkerLoad, WorkerState, WorkerView,
 };
 pub use sessions::SessionTable;
-pub use usage::{TEMPLATE_TOKENS, UsageError, check_usage};
+pub use usage::{MAX_BYTES_PER_TOKEN, TEMPLATE_TOKENS, UsageError, check_usage};
 
 #[cfg(test)]
 mod tests;

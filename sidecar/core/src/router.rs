@@ -38,7 +38,7 @@ use crate::index::PrefixIndex;
 use crate::lru::Lru;
 use crate::models::ModelRates;
 use crate::sessions::SessionTable;
-use crate::usage::{UsageError, check_usage};
+use crate::usage::{MAX_BYTES_PER_TOKEN, UsageError, check_usage};
 
 /// Index of a worker in the router's list; stable for the router's life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -852,7 +852,7 @@ impl Router {
         if let Some(prompt_tokens) = outcome.prompt_tokens.filter(|t| *t > 0)
             && p.prompt_bytes > 0
         {
-            let observed = (p.prompt_bytes as f64 / prompt_tokens as f64).clamp(1.0, 16.0);
+            let observed = (p.prompt_bytes as f64 / prompt_tokens as f64).clamp(1.0, MAX_BYTES_PER_TOKEN as f64);
             self.bytes_per_token.learn(&p.model, observed);
         }
         if let Some(cached_tokens) = outcome.cached_tokens {

@@ -10,6 +10,11 @@ use kvmesh_vocab::limits::MAX_PROMPT_TOKENS;
 /// token per byte, so a prompt of `b` bytes holds at most `b` + this.
 pub const TEMPLATE_TOKENS: u64 = 4096;
 
+/// The most prompt bytes one token is believed to stand for: learned bytes
+/// per token are clamped to 1..=this (a token is at least a byte, and no
+/// tokenizer's average token is longer than a few words).
+pub const MAX_BYTES_PER_TOKEN: u64 = 16;
+
 /// Why a usage report was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum UsageError {

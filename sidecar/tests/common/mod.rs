@@ -5,22 +5,22 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
-pub const WORKERS: &str = "10.1.0.1:8000,10.1.0.2:8000,10.1.0.3:8000";
+pub(crate) const WORKERS: &str = "10.1.0.1:8000,10.1.0.2:8000,10.1.0.3:8000";
 
 /// A running sidecar, killed when dropped.
-pub struct Sidecar {
-    pub child: Child,
-    pub grpc: String,
-    pub admin: String,
+pub(crate) struct Sidecar {
+    pub(crate) child: Child,
+    pub(crate) grpc: String,
+    pub(crate) admin: String,
 }
 
 impl Sidecar {
     /// Still running (not exited, e.g. by a panic that aborted it).
-    pub fn alive(&mut self) -> bool {
+    pub(crate) fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
 
-    pub async fn channel(&self) -> tonic::transport::Channel {
+    pub(crate) async fn channel(&self) -> tonic::transport::Channel {
         tonic::transport::Endpoint::from_shared(format!("http://{}", self.grpc))
             .unwrap()
             .connect()
@@ -29,7 +29,7 @@ impl Sidecar {
     }
 
     /// A sample of /metrics by its exact series (name and labels).
-    pub fn metric(&self, series: &str) -> Option<f64> {
+    pub(crate) fn metric(&self, series: &str) -> Option<f64> {
         let body = http_get(&self.admin, "/metrics");
         body.lines()
             .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
@@ -45,7 +45,7 @@ impl Drop for Sidecar {
 }
 
 /// The sidecar's first stdout line: the addresses it bound, once it serves.
-pub fn first_line(child: &mut Child) -> String {
+pub(crate) fn first_line(child: &mut Child) -> String {
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
@@ -62,7 +62,7 @@ fn value_of(line: &str, key: &str) -> String {
 
 /// Starts the sidecar on ephemeral ports with `args`; returns it once it
 /// serves, with the value of `key=` from its ready line.
-pub fn spawn(args: &[&str], key: &str) -> (Child, String) {
+pub(crate) fn spawn(args: &[&str], key: &str) -> (Child, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh-sidecar"))
         .args(["--grpc-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .args(args)
@@ -77,7 +77,7 @@ pub fn spawn(args: &[&str], key: &str) -> (Child, String) {
 }
 
 /// The sidecar with three placeholder workers (nothing scraped).
-pub fn start() -> Sidecar {
+pub(crate) fn start() -> Sidecar {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh-sidecar"))
         .args(["--grpc-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .args(["--worker", WORKERS, "--scrape-interval-ms", "0"])
@@ -94,7 +94,7 @@ pub fn start() -> Sidecar {
     }
 }
 
-pub fn http_get(addr: &str, path: &str) -> String {
+pub(crate) fn http_get(addr: &str, path: &str) -> String {
     use std::io::{Read, Write};
     let Ok(mut stream) = std::net::TcpStream::connect(addr) else {
         return String::new();

@@ -16,7 +16,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvmesh_integration::process::Signal;
+use kvmesh_integration::cluster::start_sidecar;
+use kvmesh_integration::paths::Profile;
+use kvmesh_integration::process::{Process, Signal};
+use kvmesh_integration::redis::RedisServer;
 use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 use tokio::sync::Mutex;
 
@@ -158,5 +161,82 @@ async fn a_replica_stopped_under_traffic_stops_routing_and_exits_promptly() -> a
         routed_after > 0,
         "no call was routed after the signal: B never took over"
     );
+    Ok(())
+}
+
+/// A replica whose shutdown work hangs (its Redis stalled by SIGSTOP, so
+/// the snapshot write waits on a server that never answers).
+fn stalled_replica(dir: &std::path::Path, grace_ms: u64) -> anyhow::Result<(Process, RedisServer)> {
+    std::fs::create_dir_all(dir)?;
+    let redis = RedisServer::start(dir)?;
+    let workers = ["127.0.0.1:1".parse()?];
+    let args: Vec<String> = [
+        "--redis",
+        &redis.url(),
+        "--scrape-interval-ms",
+        "0",
+        "--shutdown-grace-ms",
+        &grace_ms.to_string(),
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let (process, _, _) = start_sidecar(dir, Profile::Debug, "127.0.0.1:0".parse()?, &workers, &args)?;
+    redis.signal(Signal::SIGSTOP)?;
+    Ok((process, redis))
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("kvmesh-shutdown-{}-{name}", std::process::id()))
+}
+
+/// The grace bounds the whole shutdown, and a second signal cuts it short.
+#[test]
+fn the_grace_bounds_a_hung_shutdown_and_a_second_signal_ends_it() -> anyhow::Result<()> {
+    let dir = scratch("grace");
+    let (mut sidecar, mut redis) = stalled_replica(&dir, 500)?;
+    let signalled = Instant::now();
+    sidecar.signal(Signal::SIGTERM)?;
+    let status = sidecar.wait_exit(Duration::from_secs(5))?;
+    let took = signalled.elapsed();
+    assert!(
+        status.is_some(),
+        "still running 5 s after SIGTERM:\n{}",
+        sidecar.log_tail()
+    );
+    assert!(
+        (Duration::from_millis(400)..Duration::from_millis(2500)).contains(&took),
+        "exited {took:?} after SIGTERM with a 500 ms grace"
+    );
+    assert!(sidecar.log().contains("grace of 500ms is over"), "{}", sidecar.log());
+    eprintln!("a hung shutdown with a 500 ms grace exited after {took:?}");
+    let _ = redis.signal(Signal::SIGCONT);
+    redis.kill()?;
+
+    let dir = scratch("second");
+    let (mut sidecar, mut redis) = stalled_replica(&dir, 60_000)?;
+    sidecar.signal(Signal::SIGTERM)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sidecar.log().contains("shutdown began") {
+        anyhow::ensure!(Instant::now() < deadline, "no shutdown began:\n{}", sidecar.log_tail());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let second = Instant::now();
+    sidecar.signal(Signal::SIGINT)?;
+    let status = sidecar.wait_exit(Duration::from_secs(5))?;
+    let took = second.elapsed();
+    assert!(status.is_some(), "still running after a second signal");
+    // The stalled snapshot alone would hold it for Redis's 2 s timeout.
+    assert!(took < Duration::from_secs(1), "exited {took:?} after the second signal");
+    assert!(
+        sidecar.log().contains("SIGINT again: exiting at once"),
+        "{}",
+        sidecar.log()
+    );
+    eprintln!("a second signal ended the shutdown in {took:?}");
+    let _ = redis.signal(Signal::SIGCONT);
+    redis.kill()?;
+    let _ = std::fs::remove_dir_all(scratch("grace"));
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

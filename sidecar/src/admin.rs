@@ -54,6 +54,8 @@ async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
                 index_entries: index.entries(),
                 index_bytes: index.memory_bytes(),
                 models: router.models(),
+                // Router first, then the ledger: the order `Shared` documents.
+                trace_bytes: shared.insights().trace_memory_bytes(),
             },
         )
     };

@@ -50,6 +50,7 @@ pub(crate) struct StateSizes {
     pub(crate) index_entries: usize,
     pub(crate) index_bytes: usize,
     pub(crate) models: usize,
+    pub(crate) trace_bytes: usize,
 }
 
 /// All sidecar metrics. Per-worker gauges are refreshed at scrape time from
@@ -74,6 +75,7 @@ pub(crate) struct Metrics {
     index_entries: Gauge,
     index_bytes: Gauge,
     models: Gauge,
+    trace_bytes: Gauge,
     picks_rejected: Family<FieldLabel, Counter>,
     usage_rejected: Family<ReasonLabel, Counter>,
     outcome_fields_dropped: Family<FieldLabel, Counter>,
@@ -345,6 +347,7 @@ impl Metrics {
             index_entries: Gauge::default(),
             index_bytes: Gauge::default(),
             models: Gauge::default(),
+            trace_bytes: Gauge::default(),
             picks_rejected: Family::default(),
             usage_rejected: Family::default(),
             outcome_fields_dropped: Family::default(),
@@ -428,6 +431,11 @@ impl Metrics {
             "models",
             "Models whose bytes per token the router has learned (bounded by its max_models)",
             m.models.clone(),
+        );
+        registry.register(
+            "insight_trace_bytes",
+            "Heap bytes of the sessions' last calls kept by the insight ledger (bounded by its budget)",
+            m.trace_bytes.clone(),
         );
         registry.register(
             "picks_rejected",
@@ -528,6 +536,7 @@ impl Metrics {
         self.index_entries.set(gauge(state.index_entries));
         self.index_bytes.set(gauge(state.index_bytes));
         self.models.set(gauge(state.models));
+        self.trace_bytes.set(gauge(state.trace_bytes));
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);

@@ -2,7 +2,7 @@
 //! (`kvmesh_vocab::limits`), sent straight over gRPC as any client on the
 //! network could: each is refused alone, the sidecar lives on, the shared
 //! stream carries on, and no counter takes an impossible value.
-#![allow(clippy::unwrap_used, clippy::panic)] // tests fail loudly by design
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly by design
 
 mod common;
 

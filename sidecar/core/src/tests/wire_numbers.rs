@@ -118,3 +118,44 @@ fn learned_models_stay_within_max_models() {
     }
     assert_eq!(r.models(), 8);
 }
+
+#[test]
+fn session_traces_stay_within_their_byte_budget() {
+    let r = router();
+    let mut insights = Insights::new(InsightConfig {
+        trace_budget_bytes: 4 << 20,
+        ..InsightConfig::default()
+    });
+    // Sessions at the wire's block cap: 512 KiB of hashes each.
+    let blocks: Vec<u64> = (0..kvmesh_vocab::limits::MAX_BLOCKS as u64).collect();
+    for i in 0..64u64 {
+        let session = format!("s{i}");
+        insights.on_pick(
+            &Call {
+                pick_id: i + 1,
+                input: PickInput {
+                    block_hashes: &blocks,
+                    block_bytes: 256,
+                    prompt_bytes: blocks.len() as u64 * 256,
+                    session_id: &session,
+                    model: "m",
+                    now_ms: i,
+                    ..PickInput::default()
+                },
+                harness: "other",
+                tenant: "",
+                sections: &[],
+                bytes_per_token: 4.0,
+            },
+            &Placed {
+                worker: None,
+                predicted_blocks: 0,
+                reachable_blocks: 0,
+                prefill_tokens_per_ms: 10.0,
+            },
+            &r,
+        );
+        assert!(insights.trace_memory_bytes() <= 4 << 20);
+    }
+    assert!((6..=8).contains(&insights.sessions()), "{}", insights.sessions());
+}

@@ -9,8 +9,8 @@
 //! each reported with usage so the router learns its bytes per token. The
 //! bound: peak RSS (VmHWM) under 100 MB, and `kvmesh_models` exactly the
 //! router's `max_models` (1024). Measured on a 2-core machine, debug build:
-//! RSS 14 MB at start, peak 29 MB after the 3 MB names (31 s), 30 MB after
-//! the short ones (13 s); the bound leaves three times that.
+//! RSS 14 MB at start, peak 29 MB after the 3 MB names (31-37 s), 30-31 MB
+//! after the short ones (13-16 s); the bound leaves three times that.
 #![allow(clippy::unwrap_used, clippy::panic)]
 
 use std::net::SocketAddr;

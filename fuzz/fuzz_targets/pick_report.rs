@@ -48,6 +48,7 @@ fuzz_target!(|data: &[u8]| {
                 parent_id: &pick.parent_id,
                 model: &pick.model,
                 session_final: pick.session_final,
+                truncated: pick.truncated,
                 now_ms: now,
             };
             let decision = router.pick(input);

@@ -30,6 +30,10 @@ pub struct ClusterOptions {
     pub profile: Profile,
     /// Extra `kvmesh-sidecar` flags.
     pub sidecar_args: Vec<String>,
+    /// Sidecar replicas (at least 1), all listed in Envoy's
+    /// `kvmesh_sidecar` cluster; the first is `Cluster::sidecar`, the
+    /// others `Cluster::more_sidecars`.
+    pub sidecar_replicas: usize,
     /// Start a redis-server and give it to the sidecar (`--redis`).
     pub redis: bool,
     /// The Envoy configuration to render instead of the shipped
@@ -62,6 +66,7 @@ impl Default for ClusterOptions {
             redis: false,
             envoy_template: None,
             filter_wasm: None,
+            sidecar_replicas: 1,
         }
     }
 }
@@ -130,6 +135,14 @@ impl Reply {
     }
 }
 
+/// A sidecar replica beyond the first.
+#[derive(Debug)]
+pub struct SidecarReplica {
+    pub process: Process,
+    pub grpc: SocketAddr,
+    pub admin: SocketAddr,
+}
+
 /// A running deployment. Dropping it stops every process by pid.
 #[derive(Debug)]
 pub struct Cluster {
@@ -138,6 +151,8 @@ pub struct Cluster {
     pub sidecar: Process,
     pub sidecar_grpc: SocketAddr,
     pub sidecar_admin: SocketAddr,
+    /// Replicas 2.. (`ClusterOptions::sidecar_replicas`).
+    pub more_sidecars: Vec<SidecarReplica>,
     // Envoy goes before the sidecar and workers it talks to.
     pub envoy: Process,
     pub envoy_url: String,
@@ -253,6 +268,20 @@ impl Cluster {
             &addrs,
             &options.sidecar_args,
         )?;
+        let mut more_sidecars = Vec::new();
+        for _ in 1..options.sidecar_replicas {
+            let (process, grpc, admin) = start_sidecar(
+                &dir,
+                options.profile,
+                "127.0.0.1:0".parse()?,
+                &addrs,
+                &options.sidecar_args,
+            )?;
+            more_sidecars.push(SidecarReplica { process, grpc, admin });
+        }
+        let sidecar_addrs: Vec<SocketAddr> = std::iter::once(sidecar_grpc)
+            .chain(more_sidecars.iter().map(|r| r.grpc))
+            .collect();
 
         let wasm = match &options.filter_wasm {
             Some(path) => path.clone(),
@@ -266,7 +295,7 @@ impl Cluster {
             &shipped,
             &EnvoyOverrides {
                 workers: &addrs,
-                sidecar: sidecar_grpc,
+                sidecars: &sidecar_addrs,
                 wasm: &wasm,
                 plugin: options.plugin.clone(),
                 baseline_listener: options.baseline_listener,
@@ -313,6 +342,7 @@ impl Cluster {
             sidecar,
             sidecar_grpc,
             sidecar_admin,
+            more_sidecars,
             envoy,
             envoy_url,
             direct_url,
@@ -440,17 +470,32 @@ impl Cluster {
     }
 
     async fn sidecar_sample(&self, series: &str) -> anyhow::Result<Option<f64>> {
+        Ok(self
+            .sidecar_samples_at(self.sidecar_admin, series)
+            .await?
+            .first()
+            .map(|(_, v)| *v))
+    }
+
+    /// Every sample of the sidecar at `admin` whose series starts with
+    /// `prefix` (e.g. `kvmesh_picks_total{` for all reasons), with its
+    /// series.
+    pub async fn sidecar_samples_at(&self, admin: SocketAddr, prefix: &str) -> anyhow::Result<Vec<(String, f64)>> {
         let text = self
             .http
-            .get(format!("http://{}/metrics", self.sidecar_admin))
+            .get(format!("http://{admin}/metrics"))
             .send()
             .await?
             .text()
             .await?;
         Ok(text
             .lines()
-            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-            .and_then(|v| v.trim().parse().ok()))
+            .filter(|line| line.starts_with(prefix))
+            .filter_map(|line| {
+                let (series, value) = line.rsplit_once(' ')?;
+                Some((series.to_owned(), value.trim().parse().ok()?))
+            })
+            .collect())
     }
 
     /// Polls until every worker's in-flight count is back to zero (outcome
@@ -545,6 +590,9 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         self.envoy.stop();
         self.sidecar.stop();
+        for replica in &mut self.more_sidecars {
+            replica.process.stop();
+        }
         for worker in &mut self.workers {
             worker.process.stop();
         }

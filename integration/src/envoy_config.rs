@@ -11,7 +11,8 @@ use serde_yaml::{Mapping, Value};
 #[derive(Debug, Clone)]
 pub struct EnvoyOverrides<'a> {
     pub workers: &'a [SocketAddr],
-    pub sidecar: SocketAddr,
+    /// The sidecar replicas: the `kvmesh_sidecar` cluster's endpoints.
+    pub sidecars: &'a [SocketAddr],
     pub wasm: &'a Path,
     /// Merged over the plugin configuration JSON (e.g. `sidecar_timeout_ms`).
     pub plugin: serde_json::Value,
@@ -113,7 +114,7 @@ pub fn render(shipped: &str, o: &EnvoyOverrides<'_>) -> anyhow::Result<String> {
 
     let clusters = get_mut(resources, "clusters")?;
     set_endpoints(named(clusters, "gpu_workers")?, o.workers)?;
-    set_endpoints(named(clusters, "kvmesh_sidecar")?, &[o.sidecar])?;
+    set_endpoints(named(clusters, "kvmesh_sidecar")?, o.sidecars)?;
     serde_yaml::to_string(&doc).context("writing envoy.yaml")
 }
 

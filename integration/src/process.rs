@@ -89,9 +89,24 @@ impl Process {
         }
     }
 
-    /// The whole stderr log so far.
+    /// The process's whole stderr log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits up to `timeout` for the process to exit; its status, or `None`
+    /// if it is still running.
+    pub fn wait_exit(&mut self, timeout: Duration) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().context("waiting")? {
+                return Ok(Some(status));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// The last lines of the process's stderr log, for failure messages.

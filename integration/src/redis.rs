@@ -71,6 +71,15 @@ impl RedisServer {
         }
     }
 
+    /// Sends `signal` to the server by its pid (SIGSTOP stalls it: sockets
+    /// stay open and nothing is answered; SIGCONT resumes it).
+    pub fn signal(&self, signal: crate::process::Signal) -> anyhow::Result<()> {
+        match &self.process {
+            Some(process) => process.signal(signal),
+            None => bail!("redis-server is not running"),
+        }
+    }
+
     /// Kills the server (SIGKILL): everything in it is lost.
     pub fn kill(&mut self) -> anyhow::Result<()> {
         if let Some(mut process) = self.process.take() {

@@ -34,7 +34,7 @@ fn a_bad_plugin_configuration_is_rejected_naming_the_field() -> anyhow::Result<(
             &shipped,
             &EnvoyOverrides {
                 workers: &["127.0.0.1:1".parse()?],
-                sidecar: "127.0.0.1:2".parse()?,
+                sidecars: &["127.0.0.1:2".parse()?],
                 wasm: &wasm,
                 plugin: bad,
                 baseline_listener: false,

@@ -68,7 +68,7 @@ fn every_overlay_gives_a_config_the_real_envoy_accepts() -> anyhow::Result<()> {
             &template,
             &EnvoyOverrides {
                 workers: &["127.0.0.1:1".parse()?, "127.0.0.1:2".parse()?],
-                sidecar: "127.0.0.1:3".parse()?,
+                sidecars: &["127.0.0.1:3".parse()?],
                 wasm: &wasm,
                 plugin: serde_json::json!({}),
                 baseline_listener: false,

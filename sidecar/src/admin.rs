@@ -44,14 +44,19 @@ pub(crate) fn routes(shared: Shared, token: Option<String>) -> HttpRouter {
 
 async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
     shared.tick_insights();
-    let (workers, sessions, entries, bytes) = {
+    let (workers, sizes) = {
         let router = shared.router();
         let index = router.index();
         (
             router.workers(),
-            router.sessions().len(),
-            index.entries(),
-            index.memory_bytes(),
+            crate::metrics::StateSizes {
+                sessions: router.sessions().len(),
+                index_entries: index.entries(),
+                index_bytes: index.memory_bytes(),
+                models: router.models(),
+                // Router first, then the ledger: the order `Shared` documents.
+                trace_bytes: shared.insights().trace_memory_bytes(),
+            },
         )
     };
     (
@@ -59,7 +64,7 @@ async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        shared.metrics.render(&workers, sessions, entries, bytes),
+        shared.metrics.render(&workers, sizes),
     )
 }
 
@@ -145,8 +150,11 @@ async fn prefix_breaks(State(shared): State<Shared>) -> impl IntoResponse {
     axum::Json(serde_json::json!({ "break_points": points }))
 }
 
-/// Ready once at least one worker may be picked.
+/// Ready once at least one worker may be picked, until shutdown begins.
 async fn readyz(State(shared): State<Shared>) -> impl IntoResponse {
+    if shared.draining() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "not ready: shutting down\n".to_owned());
+    }
     let healthy = shared
         .router()
         .workers()

@@ -127,6 +127,13 @@ pub(crate) struct Args {
     #[arg(long, env = "KVMESH_TENANT_LABELS", value_name = "N")]
     pub(crate) tenant_labels: Option<usize>,
 
+    /// Milliseconds the sidecar may take to stop after SIGTERM or SIGINT:
+    /// it stops routing and ends its streams at once, then flushes Redis and
+    /// writes its snapshot; past this it exits regardless. A second signal
+    /// exits at once [default: 5000].
+    #[arg(long, env = "KVMESH_SHUTDOWN_GRACE_MS", value_name = "MS")]
+    pub(crate) shutdown_grace_ms: Option<u64>,
+
     /// Log filter, e.g. "info" or "kvmesh_sidecar=debug" [default: info].
     #[arg(long, env = "KVMESH_LOG", value_name = "FILTER")]
     pub(crate) log: Option<String>,
@@ -208,6 +215,7 @@ struct FileConfig {
     token: Option<String>,
     kv_bytes_per_token: Option<f64>,
     tenant_labels: Option<usize>,
+    shutdown_grace_ms: Option<u64>,
     log: Option<String>,
 }
 
@@ -232,6 +240,7 @@ pub(crate) struct Settings {
     pub(crate) token: Option<String>,
     pub(crate) kv_bytes_per_token: f64,
     pub(crate) tenant_labels: usize,
+    pub(crate) shutdown_grace: std::time::Duration,
     pub(crate) log: String,
 }
 
@@ -378,6 +387,9 @@ impl Settings {
             token: args.token.or(file.token).filter(|t| !t.is_empty()),
             kv_bytes_per_token,
             tenant_labels,
+            shutdown_grace: std::time::Duration::from_millis(
+                args.shutdown_grace_ms.or(file.shutdown_grace_ms).unwrap_or(5000),
+            ),
             log: args.log.or(file.log).unwrap_or_else(|| "info".to_owned()),
         })
     }

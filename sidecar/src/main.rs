@@ -4,11 +4,13 @@
 
 mod admin;
 mod auth;
+mod bounds;
 mod config;
 mod engine_metrics;
 mod metrics;
 mod report;
 mod service;
+mod shutdown;
 mod store;
 mod watcher;
 
@@ -18,8 +20,10 @@ use anyhow::Context;
 use clap::Parser;
 use kvmesh_core::{InsightConfig, Insights, Router, RouterConfig};
 use kvmesh_proto::v1::router_server::RouterServer;
+use kvmesh_vocab::limits::MAX_MESSAGE_BYTES;
 use tokio::net::TcpListener;
-use tracing::{error, info};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
 
 use crate::config::{Args, Settings};
 use crate::metrics::Metrics;
@@ -77,6 +81,9 @@ fn print_report(args: config::ReportArgs) -> ExitCode {
 }
 
 async fn serve(settings: Settings) -> anyhow::Result<()> {
+    // Before anything slow (Redis): a SIGTERM during start must not kill
+    // the process without its shutdown.
+    let signals = shutdown::Signals::register();
     let router = Router::new(
         RouterConfig {
             worker_capacity_blocks: settings.worker_capacity_blocks,
@@ -132,11 +139,24 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<RouterServer<RouterService>>().await;
+    tokio::spawn(shutdown::on_signals(
+        signals,
+        shared.clone(),
+        health_reporter,
+        settings.shutdown_grace,
+    ));
 
+    // Set on purpose, not left to tonic's default (which is the same 4 MiB
+    // today): a Pick at every bound of kvmesh_vocab::limits encodes well
+    // under it, so only a message no filter sends is refused undecoded, and
+    // that fails its own stream, not the sidecar.
+    let router_service = RouterServer::new(RouterService::new(shared.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let grpc_server = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(tonic::service::interceptor::InterceptedService::new(
-            RouterServer::new(RouterService::new(shared.clone())),
+            router_service,
             auth::GrpcToken::new(settings.token.clone()),
         ))
         .serve_with_incoming_shutdown(
@@ -144,11 +164,14 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
             // a reply can wait out the peer's delayed ACK (tens of ms), which
             // is longer than the filter's whole timeout.
             tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
-            shutdown_signal(),
+            shared.shutdown.clone().cancelled_owned(),
         );
-    let shared_for_shutdown = shared.clone();
-    let admin_server =
-        axum::serve(admin, admin::routes(shared, settings.token.clone())).with_graceful_shutdown(shutdown_signal());
+    // The admin server outlives the gRPC one: /readyz answers "shutting
+    // down" while the streams end, and /metrics stays readable.
+    let admin_stop = CancellationToken::new();
+    let admin_server = axum::serve(admin, admin::routes(shared.clone(), settings.token.clone()))
+        .with_graceful_shutdown(admin_stop.clone().cancelled_owned());
+    let admin_task = tokio::spawn(async move { admin_server.await });
 
     info!(
         workers = settings.workers.len(),
@@ -159,31 +182,26 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
     // Machine-readable line for scripts and tests that bind port 0.
     println!("kvmesh-sidecar listening grpc={grpc_addr} admin={admin_addr}");
 
-    let (grpc_result, admin_result) = tokio::join!(grpc_server, async { admin_server.await });
-    if let Some(store) = shared_for_shutdown.store.get() {
-        store.write_snapshot(&shared_for_shutdown).await;
+    let grpc_result = grpc_server.await;
+    let began = std::time::Instant::now();
+    info!("gRPC server stopped: no listener, every stream ended");
+    if let Some(store) = shared.store.get() {
+        match store.flush().await {
+            Some(0) => info!("redis backlog flushed"),
+            Some(left) => warn!(left, "redis unreachable: placements left unpublished"),
+            None => warn!("redis publisher gone: backlog not flushed"),
+        }
+        store.write_snapshot(&shared).await;
         info!("snapshot written to redis");
     }
+    admin_stop.cancel();
+    let admin_result = admin_task.await;
+    shutdown::log_figures(&shared);
     grpc_result.context("gRPC server")?;
-    admin_result.context("admin server")?;
-    info!("kvmesh-sidecar stopped");
+    admin_result.context("admin server task")?.context("admin server")?;
+    info!(
+        after_grpc_ms = u64::try_from(began.elapsed().as_millis()).unwrap_or(u64::MAX),
+        "kvmesh-sidecar stopped"
+    );
     Ok(())
-}
-
-/// Resolves on SIGINT or SIGTERM, so both servers drain and stop.
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(term) => term,
-            Err(_) => return interrupt.await.unwrap_or(()),
-        };
-        tokio::select! {
-            _ = interrupt => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = interrupt.await;
 }

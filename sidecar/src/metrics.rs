@@ -37,6 +37,22 @@ struct EventLabel {
     event: &'static str,
 }
 
+/// A wire field, by its proto name: a closed set, never a value.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FieldLabel {
+    field: &'static str,
+}
+
+/// How big the router's tables are, read at scrape time.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StateSizes {
+    pub(crate) sessions: usize,
+    pub(crate) index_entries: usize,
+    pub(crate) index_bytes: usize,
+    pub(crate) models: usize,
+    pub(crate) trace_bytes: usize,
+}
+
 /// All sidecar metrics. Per-worker gauges are refreshed at scrape time from
 /// the router, so they can never drift from it.
 #[derive(Debug)]
@@ -58,6 +74,13 @@ pub(crate) struct Metrics {
     sessions: Gauge,
     index_entries: Gauge,
     index_bytes: Gauge,
+    models: Gauge,
+    trace_bytes: Gauge,
+    picks_rejected: Family<FieldLabel, Counter>,
+    usage_rejected: Family<ReasonLabel, Counter>,
+    outcome_fields_dropped: Family<FieldLabel, Counter>,
+    picks_refused_draining: Counter,
+    picks_after_shutdown: Counter,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -323,6 +346,13 @@ impl Metrics {
             sessions: Gauge::default(),
             index_entries: Gauge::default(),
             index_bytes: Gauge::default(),
+            models: Gauge::default(),
+            trace_bytes: Gauge::default(),
+            picks_rejected: Family::default(),
+            usage_rejected: Family::default(),
+            outcome_fields_dropped: Family::default(),
+            picks_refused_draining: Counter::default(),
+            picks_after_shutdown: Counter::default(),
             registry: Registry::default(),
         };
         registry.register("picks", "Pick decisions by reason", m.picks.clone());
@@ -397,6 +427,41 @@ impl Metrics {
             "Heap bytes held by the prefix index",
             m.index_bytes.clone(),
         );
+        registry.register(
+            "models",
+            "Models whose bytes per token the router has learned (bounded by its max_models)",
+            m.models.clone(),
+        );
+        registry.register(
+            "insight_trace_bytes",
+            "Heap bytes of the sessions' last calls kept by the insight ledger (bounded by its budget)",
+            m.trace_bytes.clone(),
+        );
+        registry.register(
+            "picks_rejected",
+            "Picks answered with no decision because a field broke its wire bound, by field",
+            m.picks_rejected.clone(),
+        );
+        registry.register(
+            "usage_rejected",
+            "Outcomes whose usage was implausible and dropped (never counted or learned from), by why",
+            m.usage_rejected.clone(),
+        );
+        registry.register(
+            "outcome_fields_dropped",
+            "Outcome strings over their wire bound, ignored, by field",
+            m.outcome_fields_dropped.clone(),
+        );
+        registry.register(
+            "picks_refused_draining",
+            "Picks that arrived after shutdown began and got no decision",
+            m.picks_refused_draining.clone(),
+        );
+        registry.register(
+            "picks_answered_after_shutdown",
+            "Picks decided and answered after shutdown began (should stay 0)",
+            m.picks_after_shutdown.clone(),
+        );
         registry.register_collector(Box::new(InsightCollector { insights }));
         Self { registry, ..m }
     }
@@ -419,18 +484,37 @@ impl Metrics {
         self.reported_cached_tokens.inc_by(cached_tokens.unwrap_or(0));
     }
 
+    pub(crate) fn observe_rejected(&self, field: &'static str) {
+        self.picks_rejected.get_or_create(&FieldLabel { field }).inc();
+    }
+
+    pub(crate) fn observe_usage_rejected(&self, reason: &'static str) {
+        self.usage_rejected.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    pub(crate) fn observe_outcome_field_dropped(&self, field: &'static str) {
+        self.outcome_fields_dropped.get_or_create(&FieldLabel { field }).inc();
+    }
+
+    pub(crate) fn observe_refused_draining(&self) {
+        self.picks_refused_draining.inc();
+    }
+
+    pub(crate) fn observe_answered_after_shutdown(&self) {
+        self.picks_after_shutdown.inc();
+    }
+
+    /// Picks that got no decision since shutdown began, and those that did.
+    pub(crate) fn shutdown_figures(&self) -> (u64, u64) {
+        (self.picks_refused_draining.get(), self.picks_after_shutdown.get())
+    }
+
     pub(crate) fn observe_worker_event(&self, event: &'static str) {
         self.worker_events.get_or_create(&EventLabel { event }).inc();
     }
 
     /// Prometheus text exposition, with the gauges taken from the router.
-    pub(crate) fn render(
-        &self,
-        workers: &[WorkerView],
-        sessions: usize,
-        index_entries: usize,
-        index_bytes: usize,
-    ) -> String {
+    pub(crate) fn render(&self, workers: &[WorkerView], state: StateSizes) -> String {
         for w in workers {
             let label = WorkerLabel {
                 worker: w.address.clone(),
@@ -448,9 +532,11 @@ impl Metrics {
                 .set(i64::from(w.live_sessions));
         }
         let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        self.sessions.set(gauge(sessions));
-        self.index_entries.set(gauge(index_entries));
-        self.index_bytes.set(gauge(index_bytes));
+        self.sessions.set(gauge(state.sessions));
+        self.index_entries.set(gauge(state.index_entries));
+        self.index_bytes.set(gauge(state.index_bytes));
+        self.models.set(gauge(state.models));
+        self.trace_bytes.set(gauge(state.trace_bytes));
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);

@@ -1,5 +1,7 @@
-//! The gRPC edge: decodes Pick and Report, runs them through the routing core
-//! under a short lock, and records what was decided.
+//! The gRPC edge: decodes Pick and Report, checks them against the wire
+//! bounds, runs them through the routing core under a short lock, and
+//! records what was decided. Once shutdown begins it decides nothing more
+//! and ends its streams (see `shutdown`).
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -8,9 +10,11 @@ use std::time::Instant;
 use kvmesh_core::{Call, Decision, Insights, Outcome, PickInput, PromptSection, Reason, Router, SectionKind};
 use kvmesh_proto::v1::{self, router_server};
 use tokio_stream::{Stream, StreamExt};
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
+use crate::bounds::{self, Violation};
 use crate::metrics::Metrics;
 use crate::store::{Placement, StoreHandle};
 
@@ -23,6 +27,19 @@ pub(crate) struct Shared {
     pub(crate) metrics: Arc<Metrics>,
     /// Set once Redis is connected (never, without `--redis`).
     pub(crate) store: Arc<std::sync::OnceLock<StoreHandle>>,
+    /// Cancelled when shutdown begins: from then on no Pick is decided and
+    /// every stream ends.
+    pub(crate) shutdown: CancellationToken,
+}
+
+/// What became of one Pick.
+#[derive(Debug)]
+pub(crate) enum Answer {
+    Decided(v1::PickReply),
+    /// It broke a wire bound: no decision, nothing recorded.
+    Rejected(Violation),
+    /// Shutdown has begun: another replica (or fail-open) must answer it.
+    Draining,
 }
 
 impl Shared {
@@ -32,7 +49,13 @@ impl Shared {
             insights,
             metrics: Arc::new(metrics),
             store: Arc::new(std::sync::OnceLock::new()),
+            shutdown: CancellationToken::new(),
         }
+    }
+
+    /// Shutdown has begun.
+    pub(crate) fn draining(&self) -> bool {
+        self.shutdown.is_cancelled()
     }
 
     /// The core never panics while holding the lock, but if it ever did, the
@@ -95,6 +118,16 @@ fn reason_to_wire(reason: Reason) -> v1::PickReason {
     }
 }
 
+/// The PickStream reply to a rejected Pick: no destination, so the filter
+/// fails open for that request alone.
+fn rejected_reply(request_id: u64) -> v1::PickReply {
+    v1::PickReply {
+        reason: v1::PickReason::Rejected.into(),
+        request_id,
+        ..v1::PickReply::default()
+    }
+}
+
 /// Wall-clock milliseconds: session TTLs and replicas share this clock.
 pub(crate) fn now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -103,8 +136,12 @@ pub(crate) fn now_ms() -> u64 {
 }
 
 impl Shared {
-    /// Decides one Pick and records it.
-    pub(crate) fn pick(&self, req: &v1::PickRequest) -> v1::PickReply {
+    /// Checks one Pick, then decides it and records it.
+    pub(crate) fn pick(&self, req: &v1::PickRequest) -> Answer {
+        if self.draining() {
+            self.metrics.observe_refused_draining();
+            return Answer::Draining;
+        }
         let started = Instant::now();
         let now = now_ms();
         let input = PickInput {
@@ -117,8 +154,15 @@ impl Shared {
             parent_id: &req.parent_id,
             model: &req.model,
             session_final: req.session_final,
+            truncated: req.truncated,
             now_ms: now,
         };
+        if let Err(violation) = bounds::check_pick(req, &input) {
+            // Debug, not warn: whoever can send Picks could flood the log.
+            debug!(request_id = req.request_id, "pick rejected: {violation}");
+            self.metrics.observe_rejected(violation.field);
+            return Answer::Rejected(violation);
+        }
         let (decision, destinations) = {
             let mut router = self.router();
             let decision: Decision = router.pick(input);
@@ -163,37 +207,53 @@ impl Shared {
             decision.predicted_cached_blocks,
             started.elapsed(),
         );
-        v1::PickReply {
+        // Measured where the answer leaves, not assumed: the shutdown check
+        // above and this one are a few microseconds apart.
+        if self.draining() {
+            self.metrics.observe_answered_after_shutdown();
+        }
+        Answer::Decided(v1::PickReply {
             destinations,
             predicted_cached_blocks: decision.predicted_cached_blocks,
             reason: reason_to_wire(decision.reason).into(),
             pick_id: decision.pick_id,
             request_id: req.request_id,
-        }
+        })
     }
 
-    /// Applies one Outcome.
-    pub(crate) fn report(&self, outcome: &v1::Outcome) {
-        let known = {
+    /// Applies one Outcome. Oversized strings are ignored and implausible
+    /// usage is dropped (counted), so neither reaches a counter or the
+    /// router's learning; the outcome still releases its pick.
+    pub(crate) fn report(&self, mut outcome: v1::Outcome) {
+        for field in bounds::clip_outcome(&mut outcome) {
+            debug!(
+                pick_id = outcome.pick_id,
+                field, "outcome field over its bound: ignored"
+            );
+            self.metrics.observe_outcome_field_dropped(field);
+        }
+        let (known, usage) = {
             let mut router = self.router();
-            let known = router.report(Outcome {
+            let mut core = Outcome {
                 pick_id: outcome.pick_id,
                 prompt_tokens: outcome.prompt_tokens,
                 cached_tokens: outcome.cached_tokens,
                 ttfb_ms: outcome.ttfb_ms,
-            });
+            };
+            if let Err(err) = router.check_usage(&core) {
+                debug!(pick_id = outcome.pick_id, "usage dropped: {err}");
+                self.metrics.observe_usage_rejected(err.as_str());
+                core.prompt_tokens = None;
+                core.cached_tokens = None;
+            }
+            let known = router.report(core);
             let served = router.worker_id(&outcome.destination);
-            self.insights().on_outcome(
-                outcome.pick_id,
-                outcome.prompt_tokens,
-                outcome.cached_tokens,
-                served,
-                now_ms(),
-            );
-            known
+            self.insights()
+                .on_outcome(core.pick_id, core.prompt_tokens, core.cached_tokens, served, now_ms());
+            (known, core)
         };
         self.metrics
-            .observe_report(known, outcome.prompt_tokens, outcome.cached_tokens);
+            .observe_report(known, usage.prompt_tokens, usage.cached_tokens);
     }
 }
 
@@ -202,26 +262,43 @@ type PickReplies = Pin<Box<dyn Stream<Item = Result<v1::PickReply, Status>> + Se
 #[tonic::async_trait]
 impl router_server::Router for RouterService {
     async fn pick(&self, request: Request<v1::PickRequest>) -> Result<Response<v1::PickReply>, Status> {
-        Ok(Response::new(self.shared.pick(&request.into_inner())))
+        match self.shared.pick(&request.into_inner()) {
+            Answer::Decided(reply) => Ok(Response::new(reply)),
+            Answer::Rejected(violation) => Err(Status::invalid_argument(violation.to_string())),
+            Answer::Draining => Err(Status::unavailable("kvmesh-sidecar is shutting down")),
+        }
     }
 
     async fn report(&self, request: Request<v1::Outcome>) -> Result<Response<v1::ReportReply>, Status> {
-        self.shared.report(&request.into_inner());
+        self.shared.report(request.into_inner());
         Ok(Response::new(v1::ReportReply {}))
     }
 
     type PickStreamStream = PickReplies;
 
     /// Each Pick on the stream is answered as soon as it is read; the reply
-    /// carries the request's id, so the filter matches them up.
+    /// carries the request's id, so the filter matches them up. A rejected
+    /// Pick gets an empty reply and the stream goes on. At shutdown the
+    /// stream ends (OK, at once, even between two Picks): tonic's graceful
+    /// shutdown would otherwise wait on it for as long as Envoy keeps it.
     async fn pick_stream(
         &self,
         request: Request<Streaming<v1::PickRequest>>,
     ) -> Result<Response<Self::PickStreamStream>, Status> {
+        if self.shared.draining() {
+            return Err(Status::unavailable("kvmesh-sidecar is shutting down"));
+        }
         let shared = self.shared.clone();
-        let replies = request
-            .into_inner()
-            .map(move |pick| pick.map(|pick| shared.pick(&pick)));
+        let picks =
+            futures_util::StreamExt::take_until(request.into_inner(), shared.shutdown.clone().cancelled_owned());
+        let replies = picks.map_while(move |pick| match pick {
+            Ok(pick) => match shared.pick(&pick) {
+                Answer::Decided(reply) => Some(Ok(reply)),
+                Answer::Rejected(_) => Some(Ok(rejected_reply(pick.request_id))),
+                Answer::Draining => None,
+            },
+            Err(status) => Some(Err(status)),
+        });
         Ok(Response::new(Box::pin(replies)))
     }
 
@@ -230,9 +307,16 @@ impl router_server::Router for RouterService {
         request: Request<Streaming<v1::Outcome>>,
     ) -> Result<Response<v1::ReportReply>, Status> {
         let mut outcomes = request.into_inner();
-        while let Some(outcome) = outcomes.next().await {
+        loop {
+            let outcome = tokio::select! {
+                // Ends the stream at shutdown: the filter's next stream goes
+                // to a replica still serving.
+                () = self.shared.shutdown.cancelled() => break,
+                outcome = outcomes.next() => outcome,
+            };
+            let Some(outcome) = outcome else { break };
             match outcome {
-                Ok(outcome) => self.shared.report(&outcome),
+                Ok(outcome) => self.shared.report(outcome),
                 // The filter's side went away (Envoy restart, reset): its
                 // next stream carries on.
                 Err(status) => {

@@ -20,7 +20,7 @@ use std::time::Duration;
 use kvmesh_core::Snapshot;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::streams::StreamReadReply;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
 
 use crate::service::{Shared, now_ms};
@@ -39,10 +39,19 @@ pub(crate) struct Placement {
     pub(crate) blocks: Vec<u64>,
 }
 
+/// What the publisher is asked to do, in order.
+#[derive(Debug)]
+enum Event {
+    Place(Placement),
+    /// Publish everything queued before this now (at shutdown); answered
+    /// with the number of placements still unpublished.
+    Flush(oneshot::Sender<usize>),
+}
+
 /// What the rest of the sidecar holds of the store.
 #[derive(Clone)]
 pub(crate) struct StoreHandle {
-    events: mpsc::Sender<Placement>,
+    events: mpsc::Sender<Event>,
     conn: ConnectionManager,
     keys: Arc<Keys>,
     last_id: Arc<Mutex<String>>,
@@ -61,7 +70,16 @@ impl StoreHandle {
     pub(crate) fn publish(&self, placement: Placement) {
         // Full channel: the publisher is behind (Redis slow); the placement
         // stays in this replica's memory and the next snapshot carries it.
-        let _ = self.events.try_send(placement);
+        let _ = self.events.try_send(Event::Place(placement));
+    }
+
+    /// Publishes every placement queued so far; returns how many could not
+    /// be (Redis down), or `None` if the publisher is gone. The caller
+    /// bounds the wait.
+    pub(crate) async fn flush(&self) -> Option<usize> {
+        let (tx, rx) = oneshot::channel();
+        self.events.send(Event::Flush(tx)).await.ok()?;
+        rx.await.ok()
     }
 
     /// Writes a snapshot now (at shutdown, so a restart is warm).
@@ -177,31 +195,48 @@ async fn publish(
     keys: Arc<Keys>,
     replica: String,
     session_ttl: Duration,
-    mut rx: mpsc::Receiver<Placement>,
+    mut rx: mpsc::Receiver<Event>,
 ) {
     let mut backlog: VecDeque<Placement> = VecDeque::new();
     let mut down = false;
+    let mut flush: Option<oneshot::Sender<usize>> = None;
+    fn take(event: Event, backlog: &mut VecDeque<Placement>, flush: &mut Option<oneshot::Sender<usize>>) {
+        match event {
+            Event::Place(p) => backlog.push_back(p),
+            Event::Flush(reply) => *flush = Some(reply),
+        }
+    }
     loop {
         // Wait for work, or retry the backlog each second while Redis is down.
         if backlog.is_empty() {
             match rx.recv().await {
-                Some(p) => backlog.push_back(p),
+                Some(event) => take(event, &mut backlog, &mut flush),
                 None => return,
             }
         } else if down {
             tokio::select! {
                 received = rx.recv() => match received {
-                    Some(p) => backlog.push_back(p),
+                    Some(event) => take(event, &mut backlog, &mut flush),
                     None => return,
                 },
                 () = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
         }
-        while let Ok(p) = rx.try_recv() {
-            backlog.push_back(p);
+        while let Ok(event) = rx.try_recv() {
+            take(event, &mut backlog, &mut flush);
         }
         while backlog.len() > BACKLOG {
             backlog.pop_front();
+        }
+        // A flush is answered once everything before it is out, or Redis
+        // is down (the caller is shutting down and will not wait for it).
+        if backlog.is_empty() || down {
+            if let Some(reply) = flush.take() {
+                let _ = reply.send(backlog.len());
+            }
+            if backlog.is_empty() {
+                continue;
+            }
         }
         let batch: Vec<Placement> = backlog.iter().take(512).cloned().collect();
         let mut pipe = redis::pipe();
@@ -253,7 +288,15 @@ async fn publish(
                     );
                     down = true;
                 }
+                if let Some(reply) = flush.take() {
+                    let _ = reply.send(backlog.len());
+                }
             }
+        }
+        if backlog.is_empty()
+            && let Some(reply) = flush.take()
+        {
+            let _ = reply.send(0);
         }
     }
 }

@@ -2,62 +2,16 @@
 //! socket, and its command line.
 #![allow(clippy::unwrap_used, clippy::panic)] // test helpers fail loudly by design
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod common;
 
+use std::process::{Command, Stdio};
+
+use common::{WORKERS, first_line, http_get, spawn, start};
 use kvmesh_proto::v1::router_client::RouterClient;
 use kvmesh_proto::v1::{Outcome, PickReason, PickRequest};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-
-const WORKERS: &str = "10.1.0.1:8000,10.1.0.2:8000,10.1.0.3:8000";
-
-struct Sidecar {
-    child: Child,
-    grpc: String,
-}
-
-impl Drop for Sidecar {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The sidecar's first stdout line: the addresses it bound, once it serves.
-fn first_line(child: &mut Child) -> String {
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    line
-}
-
-/// Starts the sidecar on ephemeral ports with `args`; returns it once it
-/// serves, with the value of `key=` from its ready line.
-fn spawn(args: &[&str], key: &str) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh-sidecar"))
-        .args(["--grpc-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(args)
-        .env_remove("KVMESH_WORKERS")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let line = first_line(&mut child);
-    let value = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(key))
-        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
-        .to_owned();
-    (child, value)
-}
-
-fn start() -> Sidecar {
-    let (child, grpc) = spawn(&["--worker", WORKERS], "grpc=");
-    Sidecar { child, grpc }
-}
 
 fn pick(hashes: &[u64], session: &str) -> PickRequest {
     PickRequest {
@@ -210,18 +164,4 @@ fn workers_given_as_dns_names_are_resolved_and_picked() {
     let _ = child.kill();
     let _ = child.wait();
     assert!(found, "localhost:8123 never became a worker");
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let Ok(mut stream) = std::net::TcpStream::connect(addr) else {
-        return String::new();
-    };
-    let _ = write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    );
-    let mut out = String::new();
-    let _ = stream.read_to_string(&mut out);
-    out
 }

@@ -183,6 +183,10 @@ pub enum PickReason {
     LoadSpill = 5,
     /// No prefix anywhere: a subagent seeded on its parent's worker.
     ParentSeed = 6,
+    /// The request broke a bound of kvmesh_vocab::limits (an id, a name, the
+    /// block list, the prompt size): the sidecar made no decision for it and
+    /// the reply carries no destination.
+    Rejected = 7,
 }
 impl PickReason {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -198,6 +202,7 @@ impl PickReason {
             Self::NoWorkers => "PICK_REASON_NO_WORKERS",
             Self::LoadSpill => "PICK_REASON_LOAD_SPILL",
             Self::ParentSeed => "PICK_REASON_PARENT_SEED",
+            Self::Rejected => "PICK_REASON_REJECTED",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -210,6 +215,7 @@ impl PickReason {
             "PICK_REASON_NO_WORKERS" => Some(Self::NoWorkers),
             "PICK_REASON_LOAD_SPILL" => Some(Self::LoadSpill),
             "PICK_REASON_PARENT_SEED" => Some(Self::ParentSeed),
+            "PICK_REASON_REJECTED" => Some(Self::Rejected),
             _ => None,
         }
     }

@@ -13,6 +13,8 @@ use std::collections::VecDeque;
 
 use hashbrown::HashMap;
 
+use kvmesh_vocab::limits::MAX_PROMPT_TOKENS;
+
 use crate::lru::Lru;
 use crate::{PickInput, WorkerId};
 
@@ -103,6 +105,11 @@ pub struct InsightConfig {
     pub tenant_labels: usize,
     /// Sessions followed; the least recently seen go first.
     pub max_sessions: usize,
+    /// Heap bytes the sessions' traces (each one's last block list and
+    /// sections, and its key) may hold; past it the least recently seen go
+    /// first. With `max_sessions` alone, sessions at the wire's block cap
+    /// could hold 100,000 × 600 KiB.
+    pub trace_budget_bytes: usize,
     /// A session idle this long is over.
     pub session_ttl_ms: u64,
     /// Distinct prefix break points remembered.
@@ -121,6 +128,9 @@ impl Default for InsightConfig {
             kv_bytes_per_token: 98_304.0,
             tenant_labels: 16,
             max_sessions: 100_000,
+            // About 20,000 sessions of 100k-token prompts; far more of the
+            // short ones most agent calls are.
+            trace_budget_bytes: 256 << 20,
             session_ttl_ms: 30 * 60 * 1000,
             break_points: 256,
             bucket_ms: 60_000,
@@ -210,8 +220,8 @@ impl Totals {
     /// Adds another label's or bucket's sums to these.
     pub fn add(&mut self, other: &Totals) {
         self.calls += other.calls;
-        self.prompt_bytes += other.prompt_bytes;
-        self.repeated_prefix_bytes += other.repeated_prefix_bytes;
+        self.prompt_bytes = self.prompt_bytes.saturating_add(other.prompt_bytes);
+        self.repeated_prefix_bytes = self.repeated_prefix_bytes.saturating_add(other.repeated_prefix_bytes);
         self.prompt_tokens += other.prompt_tokens;
         self.repeated_prefix_tokens += other.repeated_prefix_tokens;
         self.predicted_cached_tokens += other.predicted_cached_tokens;
@@ -418,6 +428,8 @@ pub struct Insights {
     breaks: HashMap<BreakPoint, BreakStats>,
     traces: HashMap<String, Trace>,
     trace_order: Lru<String>,
+    /// What `traces` holds, as `trace_bytes` counts it.
+    trace_bytes: usize,
     pending: HashMap<u64, PendingCall>,
     pending_order: Lru<u64>,
     buckets: VecDeque<Bucket>,
@@ -444,6 +456,7 @@ impl Insights {
             totals: HashMap::new(),
             breaks: HashMap::new(),
             traces: HashMap::new(),
+            trace_bytes: 0,
             pending: HashMap::new(),
             buckets: VecDeque::new(),
             retention: [Retention::default(); HARNESSES.len()],
@@ -520,7 +533,7 @@ impl Insights {
             4.0
         };
         let block_tokens = f64::from(call.input.block_bytes()) / bytes_per_token;
-        let prompt_tokens = call.input.prompt_bytes as f64 / bytes_per_token;
+        let prompt_tokens = (call.input.prompt_bytes as f64 / bytes_per_token).min(MAX_PROMPT_TOKENS as f64);
         let tokens = |blocks: usize| (blocks as f64 * block_tokens).min(prompt_tokens);
         let key = trace_key(call.input.routing_key(), call.input.model);
         let now = call.input.now_ms;
@@ -566,8 +579,9 @@ impl Insights {
             .min(call.input.prompt_bytes);
         self.count(label, now, |t| {
             t.calls += 1;
-            t.prompt_bytes += call.input.prompt_bytes;
-            t.repeated_prefix_bytes += repeated_bytes;
+            // Saturating: a byte count from the wire must not wrap a counter.
+            t.prompt_bytes = t.prompt_bytes.saturating_add(call.input.prompt_bytes);
+            t.repeated_prefix_bytes = t.repeated_prefix_bytes.saturating_add(repeated_bytes);
             t.prompt_tokens += prompt_tokens;
             t.repeated_prefix_tokens += tokens(repeated);
             t.predicted_cached_tokens += tokens(placed.predicted_blocks);
@@ -624,7 +638,7 @@ impl Insights {
             sections: call.sections.to_vec(),
             held_tokens: tokens(call.input.full_blocks().len()),
             prefill_tokens_per_ms: placed.prefill_tokens_per_ms,
-            in_flight: self.traces.get(&key).map_or(0, |t| t.in_flight) + 1,
+            in_flight: self.traces.get(&key).map_or(0, |t| t.in_flight).saturating_add(1),
             idle_since_ms: None,
             accrued_to_ms: now,
             last_seen_ms: now,
@@ -633,10 +647,31 @@ impl Insights {
             && self.traces.len() >= self.trace_order.capacity()
             && let Some(oldest) = self.trace_order.pop_oldest()
         {
-            self.traces.remove(&oldest);
+            self.forget_trace(&oldest);
         }
         self.trace_order.touch(key.clone());
-        self.traces.insert(key, trace);
+        self.trace_bytes += trace_bytes(&key, &trace);
+        if let Some(old) = self.traces.insert(key.clone(), trace) {
+            self.trace_bytes = self.trace_bytes.saturating_sub(trace_bytes(&key, &old));
+        }
+        // The newest trace is popped last: alone it is far under the budget.
+        while self.trace_bytes > self.config.trace_budget_bytes
+            && let Some(oldest) = self.trace_order.pop_oldest()
+        {
+            self.forget_trace(&oldest);
+        }
+    }
+
+    /// Drops a trace (its key is already out of `trace_order`).
+    fn forget_trace(&mut self, key: &str) {
+        if let Some(old) = self.traces.remove(key) {
+            self.trace_bytes = self.trace_bytes.saturating_sub(trace_bytes(key, &old));
+        }
+    }
+
+    /// Heap bytes the traces hold.
+    pub fn trace_memory_bytes(&self) -> usize {
+        self.trace_bytes
     }
 
     /// Records the outcome of a pick: the engine's usage, and the end of the
@@ -658,7 +693,10 @@ impl Insights {
         } else {
             10.0
         };
-        let usage = prompt_tokens.map(|prompt| {
+        // The edge drops implausible usage before it gets here; the
+        // absolute bounds are checked again so no driver can wrap a total.
+        let plausible = crate::usage::check_usage(None, prompt_tokens, cached_tokens).is_ok();
+        let usage = prompt_tokens.filter(|_| plausible).map(|prompt| {
             let prompt = prompt as f64;
             let cached = (cached_tokens.unwrap_or(0) as f64).min(prompt);
             (prompt, cached)
@@ -734,7 +772,7 @@ impl Insights {
             self.count(label, now_ms, |t| t.idle_kv_byte_ms += cost);
         }
         for key in ended {
-            self.traces.remove(&key);
+            self.forget_trace(&key);
             self.trace_order.remove(&key);
         }
         self.retention = retention;
@@ -835,6 +873,15 @@ impl Insights {
             retention: self.retention().map(|(h, r)| (h.to_owned(), r)).collect(),
         }
     }
+}
+
+/// What one trace costs: its key twice (map and order), its blocks and
+/// sections, and the entry itself.
+fn trace_bytes(key: &str, trace: &Trace) -> usize {
+    2 * key.len()
+        + trace.blocks.len() * std::mem::size_of::<u64>()
+        + trace.sections.len() * std::mem::size_of::<PromptSection>()
+        + std::mem::size_of::<Trace>()
 }
 
 fn held(trace: &Trace, fleet: &impl FleetView) -> bool {

@@ -7,8 +7,10 @@
 mod index;
 mod insight;
 mod lru;
+mod models;
 mod router;
 mod sessions;
+mod usage;
 
 pub use index::PrefixIndex;
 pub use insight::{
@@ -20,6 +22,7 @@ pub use router::{
     Decision, Outcome, PickInput, Reason, Router, RouterConfig, Snapshot, WorkerId, WorkerLoad, WorkerState, WorkerView,
 };
 pub use sessions::SessionTable;
+pub use usage::{MAX_BYTES_PER_TOKEN, TEMPLATE_TOKENS, UsageError, check_usage};
 
 #[cfg(test)]
 mod tests;

@@ -32,9 +32,13 @@
 
 use hashbrown::HashMap;
 
+use kvmesh_vocab::limits::MAX_PROMPT_TOKENS;
+
 use crate::index::PrefixIndex;
 use crate::lru::Lru;
+use crate::models::ModelRates;
 use crate::sessions::SessionTable;
+use crate::usage::{MAX_BYTES_PER_TOKEN, UsageError, check_usage};
 
 /// Index of a worker in the router's list; stable for the router's life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -122,6 +126,9 @@ pub struct RouterConfig {
     pub recent_prefill_weight: f64,
     /// Heap bytes the prefix index may hold, whatever the caches report.
     pub index_budget_bytes: usize,
+    /// Distinct models whose bytes per token are remembered; past it the
+    /// one taught least recently is forgotten (see `ModelRates`).
+    pub max_models: usize,
 }
 
 impl Default for RouterConfig {
@@ -155,6 +162,9 @@ impl Default for RouterConfig {
             recent_prefill_weight: 0.05,
             index_budget_bytes: 1 << 30,
             max_pick_age_ms: 15 * 60 * 1000,
+            // Far more models than one GPU cluster serves; small enough
+            // that a client inventing names costs under 300 KiB.
+            max_models: 1024,
         }
     }
 }
@@ -175,6 +185,9 @@ pub struct PickInput<'a> {
     pub model: &'a str,
     /// The session ends with this request.
     pub session_final: bool,
+    /// The hashes and `prompt_bytes` cover only a prefix of the prompt (the
+    /// filter's caps): the engine's usage may exceed what they hold.
+    pub truncated: bool,
     pub now_ms: u64,
 }
 
@@ -291,6 +304,9 @@ struct Pending {
     predicted_blocks: usize,
     block_bytes: u32,
     prompt_bytes: u64,
+    truncated: bool,
+    /// At most `kvmesh_vocab::limits::MAX_ID_BYTES` (the sidecar rejects
+    /// longer), for at most `max_pending_picks` picks.
     model: String,
     /// Its load was already taken off the worker (see `pick`).
     released: bool,
@@ -344,7 +360,7 @@ pub struct Router {
     /// Each session's latest pick, while it is pending.
     last_pick: HashMap<String, u64>,
     next_pick_id: u64,
-    bytes_per_token: HashMap<String, f64>,
+    bytes_per_token: ModelRates,
     overlaps: Vec<usize>,
 }
 
@@ -353,6 +369,7 @@ impl Router {
         let mut router = Self {
             sessions: SessionTable::new(config.max_sessions, config.session_ttl_ms),
             pending: Lru::new(config.max_pending_picks),
+            bytes_per_token: ModelRates::new(config.max_models),
             config,
             workers: Vec::new(),
             by_address: HashMap::new(),
@@ -360,7 +377,6 @@ impl Router {
             pending_picks: HashMap::new(),
             last_pick: HashMap::new(),
             next_pick_id: 1,
-            bytes_per_token: HashMap::new(),
             overlaps: Vec::new(),
         };
         let budget = router.config.index_budget_bytes;
@@ -508,8 +524,24 @@ impl Router {
     pub fn bytes_per_token(&self, model: &str) -> f64 {
         self.bytes_per_token
             .get(model)
-            .copied()
             .unwrap_or(self.config.default_bytes_per_token)
+    }
+
+    /// Models with a learned bytes per token (at most `max_models`).
+    pub fn models(&self) -> usize {
+        self.bytes_per_token.len()
+    }
+
+    /// Whether an outcome's usage can be believed: against the absolute
+    /// bounds, and against its Pick's prompt when the pick is still pending
+    /// and was not truncated.
+    pub fn check_usage(&self, outcome: &Outcome) -> Result<(), UsageError> {
+        let prompt_bytes = self
+            .pending_picks
+            .get(&outcome.pick_id)
+            .filter(|p| !p.truncated)
+            .map(|p| p.prompt_bytes);
+        check_usage(prompt_bytes, outcome.prompt_tokens, outcome.cached_tokens)
     }
 
     fn pickable(w: &Worker) -> bool {
@@ -554,8 +586,11 @@ impl Router {
         let bytes_per_token = self.bytes_per_token(input.model);
         let block_bytes = input.block_bytes();
         let block_tokens = f64::from(block_bytes) / bytes_per_token;
-        let request_tokens =
-            (input.prompt_bytes as f64 / bytes_per_token).max(input.block_hashes.len() as f64 * block_tokens * 0.5);
+        // Capped: whatever a Pick claims, it never queues more prefill on a
+        // worker than the largest prompt there can be.
+        let request_tokens = (input.prompt_bytes as f64 / bytes_per_token)
+            .max(input.block_hashes.len() as f64 * block_tokens * 0.5)
+            .min(MAX_PROMPT_TOKENS as f64);
         let full = input.full_blocks();
 
         self.drain_queues(input.now_ms);
@@ -660,7 +695,7 @@ impl Router {
         let uncached = request_tokens - (chosen.overlap as f64 * block_tokens).min(request_tokens);
         self.place(chosen.id, full, &input, input.now_ms);
         if let Some(w) = self.workers.get_mut(chosen.id.0) {
-            w.load.in_flight += 1;
+            w.load.in_flight = w.load.in_flight.saturating_add(1);
             w.load.queued_prefill_tokens += uncached;
             w.load.recent_prefill_tokens += uncached;
             w.load.active_kv_tokens += request_tokens;
@@ -677,6 +712,7 @@ impl Router {
                 predicted_blocks: chosen.overlap,
                 block_bytes,
                 prompt_bytes: input.prompt_bytes,
+                truncated: input.truncated,
                 model: input.model.to_owned(),
                 released: false,
                 at_ms: input.now_ms,
@@ -784,7 +820,11 @@ impl Router {
     /// every older block too. The oldest entries go, and the capacity
     /// estimate shrinks to what survives; it grows back slowly when the
     /// engine cached more than predicted.
+    ///
+    /// Usage that fails [`Router::check_usage`] releases the pick but
+    /// teaches nothing.
     pub fn report(&mut self, outcome: Outcome) -> bool {
+        let usage_ok = self.check_usage(&outcome).is_ok();
         let Some(p) = self.pending_picks.remove(&outcome.pick_id) else {
             return false;
         };
@@ -806,12 +846,14 @@ impl Router {
                 observed
             };
         }
+        if !usage_ok {
+            return true;
+        }
         if let Some(prompt_tokens) = outcome.prompt_tokens.filter(|t| *t > 0)
             && p.prompt_bytes > 0
         {
-            let observed = (p.prompt_bytes as f64 / prompt_tokens as f64).clamp(1.0, 16.0);
-            let learned = self.bytes_per_token.entry(p.model.clone()).or_insert(observed);
-            *learned = 0.8 * *learned + 0.2 * observed;
+            let observed = (p.prompt_bytes as f64 / prompt_tokens as f64).clamp(1.0, MAX_BYTES_PER_TOKEN as f64);
+            self.bytes_per_token.learn(&p.model, observed);
         }
         if let Some(cached_tokens) = outcome.cached_tokens {
             let block_tokens = f64::from(p.block_bytes) / self.bytes_per_token(&p.model);
@@ -831,7 +873,7 @@ impl Router {
                 self.index.set_capacity(worker, survive.min(capacity));
             } else if cached_blocks > p.predicted_blocks + margin {
                 let ceiling = self.workers.get(worker.0).map_or(capacity, |w| w.capacity_ceiling);
-                let grown = capacity + (cached_blocks - p.predicted_blocks);
+                let grown = capacity.saturating_add(cached_blocks - p.predicted_blocks);
                 self.index.set_capacity(worker, grown.min(ceiling));
             }
         }

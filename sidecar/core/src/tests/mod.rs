@@ -1,2 +1,3 @@
 mod decisions;
 mod index_model;
+mod wire_numbers;

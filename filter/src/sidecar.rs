@@ -25,8 +25,12 @@ use crate::metrics::FailOpen;
 /// How often the root context checks Pick deadlines: a timed-out request
 /// waits at most this much past the configured timeout.
 pub(crate) const TICK: Duration = Duration::from_millis(5);
-/// Wait before reopening a stream that closed.
-const REOPEN_AFTER: Duration = Duration::from_secs(1);
+/// Wait before reopening a stream that closed: short at first (a sidecar
+/// that drains for shutdown ends its streams, and the next replica should
+/// take over at once), doubling while reopening keeps failing, up to
+/// `REOPEN_MAX` (a sidecar that is down is not hammered every tick).
+const REOPEN_FIRST: Duration = Duration::from_millis(10);
+const REOPEN_MAX: Duration = Duration::from_secs(1);
 
 /// One request's Pick, shared by its HTTP context and the root context that
 /// may answer it.
@@ -55,6 +59,9 @@ pub(crate) struct Streams {
     next_request_id: u64,
     pending: HashMap<u64, Pending>,
     reopen_at: Option<SystemTime>,
+    /// The wait before the next reopen; back to `REOPEN_FIRST` once a reply
+    /// arrives on the pick stream.
+    reopen_backoff: Duration,
 }
 
 /// The destinations of a reply as the header value, or why there are none.
@@ -109,6 +116,7 @@ impl Streams {
     pub(crate) fn new(root_id: u32) -> Self {
         Self {
             root_id,
+            reopen_backoff: REOPEN_FIRST,
             ..Self::default()
         }
     }
@@ -173,6 +181,8 @@ impl Streams {
         if Some(token) != self.pick {
             return None;
         }
+        // The stream works: a later close reopens quickly again.
+        self.reopen_backoff = REOPEN_FIRST;
         self.pending.remove(&request_id)
     }
 
@@ -190,7 +200,8 @@ impl Streams {
             return Vec::new();
         }
         self.pick = None;
-        self.reopen_at = Some(now + REOPEN_AFTER);
+        self.reopen_at = Some(now + self.reopen_backoff);
+        self.reopen_backoff = (self.reopen_backoff * 2).min(REOPEN_MAX);
         std::mem::take(&mut self.pending).into_values().collect()
     }
 

@@ -423,12 +423,13 @@ fn the_pod_patch_mounts_the_module_where_the_envoyfilter_loads_it() -> anyhow::R
     assert_eq!(volume["kvmesh-filter"]["configMap"]["name"], "kvmesh-filter");
     let dir = mount["kvmesh-filter"]["mountPath"].as_str().unwrap_or_default();
     // Istio keeps the filter's stats: Envoy prefixes a Wasm module's own
-    // metrics with `wasmcustom.`, and the filter's all start with `kvmesh.`.
+    // metrics with `wasmcustom.`, and the filter's all start with `kvmesh.`;
+    // Envoy's stats of the plugin's VM (`wasm.kvmesh.vm_reload_*`) too.
     let proxy: serde_json::Value =
         serde_json::from_str(annotations["proxy.istio.io/config"].as_str().unwrap_or_default())?;
     assert_eq!(
         proxy["proxyStatsMatcher"]["inclusionPrefixes"],
-        serde_json::json!(["wasmcustom.kvmesh"])
+        serde_json::json!(["wasmcustom.kvmesh", "wasm.kvmesh"])
     );
     let metrics = std::fs::read_to_string(paths::repo_root().join("filter/src/metrics.rs"))?;
     assert!(metrics.contains("\"kvmesh.picks\""));

@@ -23,8 +23,7 @@ use std::time::{Duration, SystemTime};
 
 use kvmesh_proto::{method, v1};
 use kvmesh_request::{
-    Api, DESTINATION_HEADER, FORGED_DESTINATION_HEADER, FilterConfig, NotUnderstood, Section, SectionKind, Understood,
-    UsageReader,
+    Api, DESTINATION_HEADER, FORGED_DESTINATION_HEADER, FilterConfig, NotUnderstood, Section, Understood, UsageReader,
 };
 use kvmesh_vocab::limits::{MAX_MESSAGE_BYTES, MAX_PATH_BYTES, clip};
 use log::{debug, info, warn};
@@ -279,14 +278,8 @@ impl RequestFilter {
 
     fn pick_request(&self, understood: Understood) -> v1::PickRequest {
         fn section_to_wire(section: &Section) -> v1::PromptSection {
-            let kind = match section.kind {
-                SectionKind::Tools => v1::SectionKind::Tools,
-                SectionKind::System => v1::SectionKind::System,
-                SectionKind::Message => v1::SectionKind::Message,
-                SectionKind::Other => v1::SectionKind::Other,
-            };
             v1::PromptSection {
-                kind: kind.into(),
+                kind: v1::SectionKind::from(section.kind).into(),
                 index: section.index,
                 start_byte: section.start,
                 digest: section.digest,

@@ -1,6 +1,9 @@
 //! The kvmesh gRPC API, package `kvmesh.v1`, generated from
-//! `proto/kvmesh/v1/kvmesh.proto` by `kvmesh-proto-codegen` (checked for drift).
+//! `proto/kvmesh/v1/kvmesh.proto` by `kvmesh-proto-codegen` (checked for drift),
+//! and (`vocab`) the conversions between the wire and `kvmesh-vocab`'s types.
 #![forbid(unsafe_code)]
+
+mod vocab;
 
 /// Messages of `kvmesh.v1`, and with the `grpc` feature its tonic service.
 #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]

@@ -1,6 +1,118 @@
 //! The vocabulary every kvmesh crate shares, with no dependencies: what the
 //! filter, the sidecar, the simulator and the fuzz targets must all spell the
-//! same way. Today: the bounds on every field that crosses the wire.
+//! same way, each defined once here and converted to the wire once (in
+//! `kvmesh-proto`'s `vocab` feature).
+//!
+//! - [`SectionKind`]: which part of a prompt a section of the canonical
+//!   stream holds (where a session's prefix breaks);
+//! - [`Harness`]: the agent harness that sent a request (a metric label);
+//! - [`DEFAULT_BLOCK_BYTES`]: the filter's default prefix block size;
+//! - [`limits`]: the bounds on every field that crosses the wire.
 #![forbid(unsafe_code)]
 
 pub mod limits;
+
+/// Bytes per prefix block unless the filter is configured otherwise (256
+/// bytes of canonical JSON are about 64 tokens). Only a default: every Pick
+/// carries the block size it was cut with, and the sidecar converts with
+/// that one.
+pub const DEFAULT_BLOCK_BYTES: usize = 256;
+
+/// Which part of the prompt a section of the canonical stream holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SectionKind {
+    /// The tool definitions.
+    Tools,
+    /// The system prompt: Anthropic's `system`, the Responses API's
+    /// `instructions`, or a leading `system`/`developer` message.
+    System,
+    /// Message (or input item) `index` of the conversation; a completions
+    /// prompt is message 0.
+    Message,
+    /// Anything else that starts the chain (`previous_response_id`).
+    Other,
+}
+
+impl SectionKind {
+    /// Every kind, in the order of the canonical stream; arrays indexed by
+    /// `kind as usize` follow it.
+    pub const ALL: [Self; 4] = [Self::Tools, Self::System, Self::Message, Self::Other];
+
+    /// Stable lowercase name, for metric labels and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tools => "tools",
+            Self::System => "system",
+            Self::Message => "message",
+            Self::Other => "other",
+        }
+    }
+}
+
+/// The agent harness that sent a request, from the headers it is known to
+/// send (design/HARNESSES.md). A closed set, so it can label metrics; on the
+/// wire it travels as its [`Harness::name`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub enum Harness {
+    ClaudeCode,
+    Codex,
+    OpenCode,
+    OpenClaw,
+    #[default]
+    Other,
+}
+
+impl Harness {
+    /// Every harness; arrays indexed by `harness as usize` follow it.
+    pub const ALL: [Self; 5] = [
+        Self::ClaudeCode,
+        Self::Codex,
+        Self::OpenCode,
+        Self::OpenClaw,
+        Self::Other,
+    ];
+
+    /// Stable lowercase name, for the wire and for metric labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ClaudeCode => "claude_code",
+            Self::Codex => "codex",
+            Self::OpenCode => "opencode",
+            Self::OpenClaw => "openclaw",
+            Self::Other => "other",
+        }
+    }
+
+    /// The harness of a name from [`Harness::name`] (any case, trimmed);
+    /// anything else is `Other`.
+    pub fn from_name(name: &str) -> Self {
+        Self::ALL
+            .into_iter()
+            .find(|h| h.name().eq_ignore_ascii_case(name.trim()))
+            .unwrap_or(Self::Other)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_harness_round_trips_through_its_name() {
+        for harness in Harness::ALL {
+            assert_eq!(Harness::from_name(harness.name()), harness);
+            assert_eq!(Harness::ALL[harness as usize], harness);
+        }
+        assert_eq!(Harness::from_name(" Claude_Code "), Harness::ClaudeCode);
+        assert_eq!(Harness::from_name("cursor"), Harness::Other);
+    }
+
+    #[test]
+    fn kinds_index_their_arrays_in_stream_order() {
+        for kind in SectionKind::ALL {
+            assert_eq!(SectionKind::ALL[kind as usize], kind);
+        }
+        let names: Vec<&str> = SectionKind::ALL.iter().map(|k| k.name()).collect();
+        assert_eq!(names, ["tools", "system", "message", "other"]);
+    }
+}

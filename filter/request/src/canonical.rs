@@ -11,6 +11,7 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
+use kvmesh_vocab::SectionKind;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -145,32 +146,6 @@ impl<'a> Envelope<'a> {
 
     pub fn truncated(&self) -> bool {
         self.truncated
-    }
-}
-
-/// Which part of the prompt a section of the canonical stream holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SectionKind {
-    /// The tool definitions.
-    Tools,
-    /// The system prompt: Anthropic's `system`, the Responses API's
-    /// `instructions`, or a leading `system`/`developer` message.
-    System,
-    /// Message (or input item) `index` of the conversation; a completions
-    /// prompt is message 0.
-    Message,
-    /// Anything else that starts the chain (`previous_response_id`).
-    Other,
-}
-
-impl SectionKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Tools => "tools",
-            Self::System => "system",
-            Self::Message => "message",
-            Self::Other => "other",
-        }
     }
 }
 

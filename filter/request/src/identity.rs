@@ -5,6 +5,7 @@
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use kvmesh_vocab::Harness;
 use kvmesh_vocab::limits::{MAX_ID_BYTES, clip};
 
 use crate::FilterConfig;
@@ -58,65 +59,24 @@ impl Headers for Vec<(String, String)> {
     }
 }
 
-/// The agent harness that sent a request, from the headers it is known to
-/// send (design/HARNESSES.md). A closed set, so it can label metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Harness {
-    ClaudeCode,
-    Codex,
-    OpenCode,
-    OpenClaw,
-    #[default]
-    Other,
-}
-
-impl Harness {
-    pub const ALL: [Self; 5] = [
-        Self::ClaudeCode,
-        Self::Codex,
-        Self::OpenCode,
-        Self::OpenClaw,
-        Self::Other,
-    ];
-
-    /// Stable lowercase name, for the wire and for metric labels.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::ClaudeCode => "claude_code",
-            Self::Codex => "codex",
-            Self::OpenCode => "opencode",
-            Self::OpenClaw => "openclaw",
-            Self::Other => "other",
-        }
+/// Reads the harness from the request headers. An explicit
+/// `x-kvmesh-harness` wins (for agents kvmesh cannot recognise).
+pub fn detect_harness(headers: &impl Headers) -> Harness {
+    if let Some(declared) = headers.get("x-kvmesh-harness") {
+        return Harness::from_name(declared);
     }
-
-    /// The harness of a name from [`Harness::name`]; anything else is `Other`.
-    pub fn from_name(name: &str) -> Self {
-        Self::ALL
-            .into_iter()
-            .find(|h| h.name().eq_ignore_ascii_case(name.trim()))
-            .unwrap_or(Self::Other)
-    }
-
-    /// Reads the harness from the request headers. An explicit
-    /// `x-kvmesh-harness` wins (for agents kvmesh cannot recognise).
-    pub fn detect(headers: &impl Headers) -> Self {
-        if let Some(declared) = headers.get("x-kvmesh-harness") {
-            return Self::from_name(declared);
-        }
-        let agent = headers.get("user-agent").unwrap_or_default().to_ascii_lowercase();
-        let originator = headers.get("originator").unwrap_or_default();
-        if agent.starts_with("claude-cli/") || headers.get("x-claude-code-session-id").is_some() {
-            Self::ClaudeCode
-        } else if originator.starts_with("codex") || agent.starts_with("codex") {
-            Self::Codex
-        } else if agent.starts_with("opencode/") || headers.get("x-opencode-session").is_some() {
-            Self::OpenCode
-        } else if agent.contains("openclaw") {
-            Self::OpenClaw
-        } else {
-            Self::Other
-        }
+    let agent = headers.get("user-agent").unwrap_or_default().to_ascii_lowercase();
+    let originator = headers.get("originator").unwrap_or_default();
+    if agent.starts_with("claude-cli/") || headers.get("x-claude-code-session-id").is_some() {
+        Harness::ClaudeCode
+    } else if originator.starts_with("codex") || agent.starts_with("codex") {
+        Harness::Codex
+    } else if agent.starts_with("opencode/") || headers.get("x-opencode-session").is_some() {
+        Harness::OpenCode
+    } else if agent.contains("openclaw") {
+        Harness::OpenClaw
+    } else {
+        Harness::Other
     }
 }
 
@@ -212,7 +172,7 @@ pub fn identify(headers: &impl Headers, envelope: &Envelope<'_>, config: &Filter
         parent_id = session_id.clone();
     }
     Identity {
-        harness: Harness::detect(headers),
+        harness: detect_harness(headers),
         tenant: tenant(headers, config),
         session_final: headers
             .get("x-dynamo-session-final")

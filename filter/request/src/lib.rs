@@ -14,11 +14,13 @@ mod identity;
 mod scan;
 mod usage;
 
-pub use canonical::{Api, Canonical, CanonicalError, Envelope, Section, SectionKind, canonical_stream};
+pub use canonical::{Api, Canonical, CanonicalError, Envelope, Section, canonical_stream};
 pub use config::{ConfigError, DESTINATION_HEADER, FORGED_DESTINATION_HEADER, FilterConfig, IdSource};
 pub use hashing::{BlockHash, BlockHashes, block_hashes, salt};
-pub use identity::{Harness, Headers, Hints, Identity, bounded_id, hints, identify};
+pub use identity::{Headers, Hints, Identity, bounded_id, detect_harness, hints, identify};
 use kvmesh_vocab::limits::{MAX_ID_BYTES, MAX_SECTIONS};
+/// Shared with the sidecar and the simulator (defined in `kvmesh-vocab`).
+pub use kvmesh_vocab::{Harness, SectionKind};
 pub use scan::ScanError;
 pub use usage::{Usage, UsageReader};
 

@@ -1,0 +1,50 @@
+//! The one place where kvmesh's shared vocabulary (`kvmesh-vocab`) meets its
+//! wire form: every crate that sends or reads a Pick converts through these.
+
+use kvmesh_vocab::{Harness, SectionKind};
+
+use crate::v1;
+
+impl From<SectionKind> for v1::SectionKind {
+    fn from(kind: SectionKind) -> Self {
+        match kind {
+            SectionKind::Tools => Self::Tools,
+            SectionKind::System => Self::System,
+            SectionKind::Message => Self::Message,
+            SectionKind::Other => Self::Other,
+        }
+    }
+}
+
+impl From<v1::SectionKind> for SectionKind {
+    /// `UNSPECIFIED` (a sender that set nothing) reads as `Other`.
+    fn from(kind: v1::SectionKind) -> Self {
+        match kind {
+            v1::SectionKind::Tools => Self::Tools,
+            v1::SectionKind::System => Self::System,
+            v1::SectionKind::Message => Self::Message,
+            v1::SectionKind::Other | v1::SectionKind::Unspecified => Self::Other,
+        }
+    }
+}
+
+impl v1::PromptSection {
+    /// The section's kind; a value no version of the proto defines reads as
+    /// `Other`.
+    pub fn section_kind(&self) -> SectionKind {
+        v1::SectionKind::try_from(self.kind).map_or(SectionKind::Other, SectionKind::from)
+    }
+
+    /// Sets the section's kind.
+    pub fn set_section_kind(&mut self, kind: SectionKind) {
+        self.kind = v1::SectionKind::from(kind).into();
+    }
+}
+
+impl v1::PickRequest {
+    /// The harness the filter detected (`harness` travels as its name; any
+    /// other value is `Other`).
+    pub fn harness(&self) -> Harness {
+        Harness::from_name(&self.harness)
+    }
+}

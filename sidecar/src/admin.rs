@@ -187,6 +187,10 @@ async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
                 "cached_blocks": w.cached_blocks,
                 "capacity_blocks": w.capacity_blocks,
                 "live_sessions": w.live_sessions,
+                "engine_capacity_tokens": w.engine_capacity_tokens,
+                "tokens_per_block": w.tokens_per_block,
+                "block_bytes": w.block_bytes,
+                "bytes_per_token": w.bytes_per_token,
             })
         })
         .collect();

@@ -15,10 +15,6 @@ use crate::service::{Shared, now_ms};
 /// A worker is marked down after this many failed scrapes in a row.
 const FAILURES_BEFORE_DOWN: u32 = 2;
 
-/// The block size the filter uses by default; capacities in tokens from
-/// the engine become blocks with it.
-const BLOCK_BYTES: u32 = 256;
-
 #[derive(Debug, Default)]
 struct Seen {
     last: Option<EngineSnapshot>,
@@ -99,7 +95,7 @@ fn apply_scrape(shared: &Shared, address: &str, seen: &mut Seen, result: Result<
                 router.set_engine_waiting(id, waiting);
             }
             if let Some(tokens) = snapshot.capacity_tokens {
-                router.set_engine_capacity_tokens(id, tokens, BLOCK_BYTES);
+                router.set_engine_capacity_tokens(id, tokens);
             }
             seen.last = Some(snapshot);
         }

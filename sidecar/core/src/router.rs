@@ -32,6 +32,7 @@
 
 use hashbrown::HashMap;
 
+use kvmesh_vocab::DEFAULT_BLOCK_BYTES;
 use kvmesh_vocab::limits::MAX_PROMPT_TOKENS;
 
 use crate::index::PrefixIndex;
@@ -208,9 +209,13 @@ impl PickInput<'_> {
         &self.block_hashes[..n]
     }
 
-    /// Bytes per block, 256 when the request does not say.
+    /// Bytes per block, the filter's default when the request does not say.
     pub fn block_bytes(&self) -> u32 {
-        if self.block_bytes == 0 { 256 } else { self.block_bytes }
+        if self.block_bytes == 0 {
+            DEFAULT_BLOCK_BYTES as u32
+        } else {
+            self.block_bytes
+        }
     }
 }
 
@@ -259,6 +264,15 @@ pub struct WorkerView {
     pub cached_blocks: usize,
     pub capacity_blocks: usize,
     pub live_sessions: u32,
+    /// The engine's own KV capacity in tokens, when it reports one, and the
+    /// engine tokens per block it was converted with (block size of the
+    /// Picks placed here over the bytes per token of their model).
+    pub engine_capacity_tokens: Option<u64>,
+    pub tokens_per_block: f64,
+    /// Block size and model of the latest Pick placed here, and that
+    /// model's learned bytes per token.
+    pub block_bytes: u32,
+    pub bytes_per_token: f64,
 }
 
 /// `WorkerLoad`: what a worker is busy with, from kvmesh's own picks and
@@ -293,6 +307,16 @@ struct Worker {
     /// The capacity from configuration or the engine: the correction never
     /// grows the estimate past it.
     capacity_ceiling: usize,
+    /// The KV capacity the engine reports, in its tokens.
+    engine_capacity_tokens: Option<u64>,
+    /// Tokens per block the engine capacity was last converted with: the
+    /// block size of the Picks placed here over the bytes per token of
+    /// their model. A block is `block_bytes` of kvmesh's canonical stream,
+    /// so how many engine tokens it holds depends on both.
+    tokens_per_block: f64,
+    /// Block size and model of the latest Pick placed here.
+    block_bytes: u32,
+    model: String,
 }
 
 /// A pick awaiting its outcome.
@@ -406,6 +430,10 @@ impl Router {
             healthy: true,
             load: WorkerLoad::default(),
             capacity_ceiling: self.config.worker_capacity_blocks,
+            engine_capacity_tokens: None,
+            tokens_per_block: 0.0,
+            block_bytes: DEFAULT_BLOCK_BYTES as u32,
+            model: String::new(),
         });
         self.by_address.insert(address.to_owned(), id);
         id
@@ -457,16 +485,70 @@ impl Router {
         }
     }
 
-    /// The engine reported its KV capacity in tokens.
-    pub fn set_engine_capacity_tokens(&mut self, id: WorkerId, tokens: u64, block_bytes: u32) {
-        let block_tokens = f64::from(block_bytes.max(1)) / self.config.default_bytes_per_token;
-        let blocks = ((tokens as f64) / block_tokens).max(1.0) as usize;
+    /// The engine reported its KV capacity in tokens. It becomes blocks at
+    /// the block size of the Picks placed on the worker and the bytes per
+    /// token learned for their model (until the first Pick: the default
+    /// block size and bytes per token), and is converted again when either
+    /// changes.
+    pub fn set_engine_capacity_tokens(&mut self, id: WorkerId, tokens: u64) {
         if let Some(worker) = self.workers.get_mut(id.0) {
-            worker.capacity_ceiling = blocks;
+            // Scraped every second or so: only a new figure is converted
+            // here (Picks and outcomes convert again when their side moves).
+            if worker.engine_capacity_tokens == Some(tokens) {
+                return;
+            }
+            worker.engine_capacity_tokens = Some(tokens);
+            worker.tokens_per_block = 0.0;
         }
-        if self.index.capacity(id) > blocks || self.index.capacity(id) == self.config.worker_capacity_blocks {
+        self.convert_engine_capacity(id);
+    }
+
+    /// Engine tokens per kvmesh block on worker `id`.
+    fn tokens_per_block(&self, id: WorkerId) -> f64 {
+        let Some(worker) = self.workers.get(id.0) else {
+            return 0.0;
+        };
+        f64::from(worker.block_bytes.max(1)) / self.bytes_per_token(&worker.model)
+    }
+
+    /// Turns worker `id`'s engine capacity into blocks if the conversion
+    /// moved by more than 2 % since it was last applied (every Pick and
+    /// outcome may call it; the index is only resized on a real change).
+    fn convert_engine_capacity(&mut self, id: WorkerId) {
+        let tokens_per_block = self.tokens_per_block(id);
+        let Some(worker) = self.workers.get_mut(id.0) else {
+            return;
+        };
+        let Some(tokens) = worker.engine_capacity_tokens else {
+            return;
+        };
+        let before = worker.tokens_per_block;
+        if before > 0.0 && (tokens_per_block - before).abs() <= 0.02 * before {
+            return;
+        }
+        worker.tokens_per_block = tokens_per_block;
+        let blocks = ((tokens as f64) / tokens_per_block.max(f64::MIN_POSITIVE)).max(1.0) as usize;
+        let previous_ceiling = std::mem::replace(&mut worker.capacity_ceiling, blocks);
+        let capacity = self.index.capacity(id);
+        // The estimate follows the engine's figure down at once; up only
+        // from the configured default or the previous engine figure (the
+        // closed loop's corrections between them stand).
+        if capacity > blocks || capacity == self.config.worker_capacity_blocks || capacity == previous_ceiling {
             self.index.set_capacity(id, blocks);
         }
+    }
+
+    /// The block size and model the latest Pick placed on `id` carried.
+    fn note_block_size(&mut self, id: WorkerId, block_bytes: u32, model: &str) {
+        let Some(worker) = self.workers.get_mut(id.0) else {
+            return;
+        };
+        if worker.block_bytes == block_bytes && worker.model == model {
+            return;
+        }
+        worker.block_bytes = block_bytes;
+        model.clone_into(&mut worker.model);
+        self.convert_engine_capacity(id);
     }
 
     pub fn workers(&self) -> Vec<WorkerView> {
@@ -483,6 +565,10 @@ impl Router {
                 cached_blocks: self.index.len(WorkerId(i)),
                 capacity_blocks: self.index.capacity(WorkerId(i)),
                 live_sessions: self.sessions.hosted(WorkerId(i)),
+                engine_capacity_tokens: w.engine_capacity_tokens,
+                tokens_per_block: w.tokens_per_block,
+                block_bytes: w.block_bytes,
+                bytes_per_token: self.bytes_per_token(&w.model),
             })
             .collect()
     }
@@ -693,6 +779,7 @@ impl Router {
             .collect();
 
         let uncached = request_tokens - (chosen.overlap as f64 * block_tokens).min(request_tokens);
+        self.note_block_size(chosen.id, block_bytes, input.model);
         self.place(chosen.id, full, &input, input.now_ms);
         if let Some(w) = self.workers.get_mut(chosen.id.0) {
             w.load.in_flight = w.load.in_flight.saturating_add(1);
@@ -854,6 +941,7 @@ impl Router {
         {
             let observed = (p.prompt_bytes as f64 / prompt_tokens as f64).clamp(1.0, MAX_BYTES_PER_TOKEN as f64);
             self.bytes_per_token.learn(&p.model, observed);
+            self.convert_engine_capacity(p.worker);
         }
         if let Some(cached_tokens) = outcome.cached_tokens {
             let block_tokens = f64::from(p.block_bytes) / self.bytes_per_token(&p.model);

@@ -66,7 +66,7 @@ impl Kvmesh {
         );
         // What the engine watcher reads from each engine's metrics.
         for w in 0..workers {
-            router.set_engine_capacity_tokens(kvmesh_core::WorkerId(w), capacity_tokens, 256);
+            router.set_engine_capacity_tokens(kvmesh_core::WorkerId(w), capacity_tokens);
         }
         Self {
             router,

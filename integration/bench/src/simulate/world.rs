@@ -21,6 +21,8 @@ pub(crate) struct Prepared {
     pub(crate) hashes: Vec<u64>,
     pub(crate) last_block_partial: bool,
     pub(crate) stream_bytes: u64,
+    /// The block size the hashes were cut with (the filter config's).
+    pub(crate) block_bytes: u32,
     /// The parts of the canonical stream, for the insight figures.
     pub(crate) sections: Vec<kvmesh_core::PromptSection>,
     /// The engine's view: its templated prompt.
@@ -35,7 +37,7 @@ impl Prepared {
         kvmesh_core::PickInput {
             block_hashes: &self.hashes,
             last_block_partial: self.last_block_partial,
-            block_bytes: 256,
+            block_bytes: self.block_bytes,
             prompt_bytes: self.stream_bytes,
             session_id: &self.session,
             parent_id: &self.parent,
@@ -69,6 +71,7 @@ pub(crate) fn prepare(index: usize, r: &Request, config: &FilterConfig) -> anyho
         hashes: understood.hashes.hashes,
         last_block_partial: understood.hashes.last_partial,
         stream_bytes: understood.hashes.stream_bytes,
+        block_bytes: u32::try_from(config.block_bytes).unwrap_or(u32::MAX),
         sections: understood.sections.iter().map(section).collect(),
         prompt_tokens: (call.prompt.len() as u64).div_ceil(4),
         prompt: call.prompt,

@@ -1,3 +1,4 @@
 mod decisions;
+mod engine_capacity;
 mod index_model;
 mod wire_numbers;

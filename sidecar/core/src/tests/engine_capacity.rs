@@ -1,0 +1,52 @@
+//! An engine's KV capacity in tokens becomes kvmesh blocks at the block size
+//! the Picks carry and the bytes per token learned for their model, never at
+//! an assumed 256 bytes or 4 bytes per token.
+
+use crate::*;
+
+const ENGINE_TOKENS: u64 = 64_000;
+
+fn capacity(r: &Router) -> usize {
+    r.workers()[0].capacity_blocks
+}
+
+fn pick(r: &mut Router, block_bytes: u32, now_ms: u64) -> Decision {
+    r.pick(PickInput {
+        block_hashes: &[1, 2, 3, 4],
+        block_bytes,
+        prompt_bytes: 4 * u64::from(block_bytes),
+        session_id: "s",
+        model: "m",
+        now_ms,
+        ..PickInput::default()
+    })
+}
+
+#[test]
+fn capacity_follows_the_picks_block_size_and_the_learned_bytes_per_token() {
+    let mut r = Router::new(RouterConfig::default(), ["10.0.0.1:8000".to_owned()]);
+    r.set_engine_capacity_tokens(WorkerId(0), ENGINE_TOKENS);
+    // Before any Pick: the default block size and bytes per token.
+    assert_eq!(capacity(&r), 64_000 / (256 / 4));
+
+    // Picks cut at 512 bytes: each block holds twice the tokens.
+    let d = pick(&mut r, 512, 1_000);
+    assert_eq!(capacity(&r), 64_000 / (512 / 4));
+
+    // The engine says the prompt of 2,048 bytes was 1,024 tokens: the
+    // learned bytes per token moves from 4 towards 2, and the capacity with it.
+    assert!(r.report(Outcome {
+        pick_id: d.pick_id,
+        prompt_tokens: Some(1_024),
+        cached_tokens: Some(0),
+        ttfb_ms: 10,
+    }));
+    let bytes_per_token = r.bytes_per_token("m");
+    assert!(bytes_per_token < 4.0 * 0.98, "{bytes_per_token}");
+    let expected = (ENGINE_TOKENS as f64 / (512.0 / bytes_per_token)) as usize;
+    assert_eq!(capacity(&r), expected);
+
+    // The same figure scraped again changes nothing.
+    r.set_engine_capacity_tokens(WorkerId(0), ENGINE_TOKENS);
+    assert_eq!(capacity(&r), expected);
+}

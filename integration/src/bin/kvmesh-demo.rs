@@ -1,10 +1,60 @@
 //! `kvmesh-demo`: starts 3 simulated GPU workers, the kvmesh sidecar and a
-//! real Envoy with the kvmesh filter, sends two agent sessions through Envoy,
-//! prints where each call went and what the engine served from its cache,
-//! then stops everything it started.
+//! real Envoy with the kvmesh filter, sends the same two agent sessions
+//! through Envoy twice, once with kvmesh choosing the worker and once with
+//! plain round robin (a listener of the same Envoy without the filter, same
+//! workers, their caches reset in between), prints where each call went and
+//! what the engine served from its cache, compares the two runs, then stops
+//! everything it started.
 #![forbid(unsafe_code)]
 
-use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
+use std::time::Duration;
+
+use anyhow::Context;
+use kvmesh_integration::{AgentSession, Cluster, ClusterOptions, Reply};
+
+const TURNS: usize = 6;
+/// The engines run at a tenth of real time, so the demo takes seconds.
+const TIME_SCALE: f64 = 0.1;
+/// The sim's prefill rate in engine time (its default: one H100, ~30B model).
+const PREFILL_TOKENS_PER_MS: f64 = 20.0;
+
+/// One agent session: its harness, the header carrying its id, the id.
+#[derive(Debug)]
+struct Session {
+    label: &'static str,
+    header: &'static str,
+    id: &'static str,
+    calls: AgentSession,
+}
+
+/// What one run of the sessions added up to.
+#[derive(Debug)]
+struct RunTotals {
+    prompt: u64,
+    cached: u64,
+    latencies: Vec<Duration>,
+}
+
+impl RunTotals {
+    fn hit_rate(&self) -> f64 {
+        100.0 * self.cached as f64 / self.prompt.max(1) as f64
+    }
+
+    /// Prompt tokens the engines had to compute.
+    fn prefilled(&self) -> u64 {
+        self.prompt - self.cached
+    }
+
+    fn median_latency(&self) -> Duration {
+        let mut sorted = self.latencies.clone();
+        sorted.sort();
+        match sorted.len() {
+            0 => Duration::ZERO,
+            n if n % 2 == 1 => sorted[n / 2],
+            n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2,
+        }
+    }
+}
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
@@ -13,14 +63,28 @@ async fn main() -> anyhow::Result<()> {
     );
     let defaults = ClusterOptions::default();
     let cluster = Cluster::start(ClusterOptions {
-        // Engine timing at a tenth of real time: prefill 50 µs per uncached token.
-        sim_args: vec!["--time-scale".into(), "0.1".into()],
-        sidecar_args: vec!["--prefill-tokens-per-ms".into(), "200".into()],
+        // Prefill 5 µs per uncached token and 1.5 ms per decode step (64
+        // output tokens per call) in wall time; the sidecar prices prefill at
+        // the same scaled rate.
+        sim_args: vec![
+            "--time-scale".into(),
+            TIME_SCALE.to_string(),
+            "--prefill-tokens-per-ms".into(),
+            PREFILL_TOKENS_PER_MS.to_string(),
+        ],
+        sidecar_args: vec![
+            "--prefill-tokens-per-ms".into(),
+            (PREFILL_TOKENS_PER_MS / TIME_SCALE).to_string(),
+        ],
         redis: true,
+        baseline_listener: true,
         ..defaults
     })
     .await?;
-    println!("  workers: {}", cluster.worker_names().join(", "));
+    let workers = cluster.worker_names();
+    for (i, addr) in workers.iter().enumerate() {
+        println!("  worker{i}: {addr}");
+    }
     println!(
         "  sidecar: gRPC {}, admin http://{}",
         cluster.sidecar_grpc, cluster.sidecar_admin
@@ -28,53 +92,88 @@ async fn main() -> anyhow::Result<()> {
     if let Some(redis) = &cluster.redis {
         println!("  redis:   {}", redis.url());
     }
-    println!("  envoy:   {} (admin {})\n", cluster.envoy_url, cluster.envoy_admin);
+    let direct_url = cluster
+        .direct_url
+        .clone()
+        .context("the cluster has no baseline listener")?;
+    println!(
+        "  envoy:   kvmesh listener {}, round-robin listener {} (admin {})",
+        cluster.envoy_url, direct_url, cluster.envoy_admin
+    );
 
     // Two agents at work at once: a Claude Code session and a Codex session,
     // their calls interleaved, each prompt resending the whole conversation.
     let sessions = [
-        (
-            "claude-code",
-            "x-claude-code-session-id",
-            "3b7e1d2c-claude",
-            AgentSession::new("acme/payments"),
-        ),
-        (
-            "codex",
-            "session-id",
-            "0199a1f4-codex",
-            AgentSession::new("acme/search"),
-        ),
+        Session {
+            label: "claude-code",
+            header: "x-claude-code-session-id",
+            id: "3b7e1d2c-claude",
+            calls: AgentSession::new("acme/payments"),
+        },
+        Session {
+            label: "codex",
+            header: "session-id",
+            id: "0199a1f4-codex",
+            calls: AgentSession::new("acme/search"),
+        },
     ];
+    // One kept-alive connection for every call: it stays on one Envoy
+    // thread, whose round robin then cycles the workers in a fixed order, so
+    // both runs are the same on every run of the demo. The timeout bounds
+    // the demo: a hung call still ends in `main` returning and the cluster
+    // stopping its processes (they run in their own sessions, so killing the
+    // demo would leave them running).
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(1)
+        .timeout(Duration::from_secs(10))
+        .build()?;
+
+    println!("\n1. through kvmesh: the filter asks the sidecar which worker holds the prefix");
+    let kvmesh = run(&http, &cluster.envoy_url, &sessions, &workers).await?;
+
+    // Otherwise round robin would find the prefixes kvmesh's run left.
+    for worker in &cluster.workers {
+        let status = http
+            .post(format!("http://{}/admin/reset-cache", worker.addr))
+            .send()
+            .await?
+            .status();
+        anyhow::ensure!(status.is_success(), "cache reset of {} failed: {status}", worker.addr);
+    }
+    println!("\n2. through plain round robin: same Envoy, same workers (caches reset), no kvmesh filter");
+    let round_robin = run(&http, &direct_url, &sessions, &workers).await?;
+
     println!(
-        "{:<12} {:>4}  {:<22} {:>13} {:>13} {:>7} {:>9}",
-        "session", "turn", "worker", "prompt tok", "cached tok", "hit", "latency"
+        "\n{:<12} {:>13} {:>13} {:>7} {:>15}",
+        "run", "prompt tok", "cached tok", "hit", "median latency"
     );
-    let (mut prompt_total, mut cached_total) = (0u64, 0u64);
-    for turn in 0..6 {
-        for (label, header, id, session) in &sessions {
-            let reply = cluster.chat(&session.call(turn), &[(header, id)]).await?;
-            let prompt = reply.prompt_tokens().unwrap_or(0);
-            let cached = reply.cached_tokens().unwrap_or(0);
-            prompt_total += prompt;
-            cached_total += cached;
-            println!(
-                "{label:<12} {turn:>4}  {:<22} {prompt:>13} {cached:>13} {:>6.1}% {:>7.1}ms",
-                reply.worker.as_deref().unwrap_or("?"),
-                100.0 * cached as f64 / prompt.max(1) as f64,
-                reply.latency.as_secs_f64() * 1e3,
-            );
-            if reply.status != 200 {
-                anyhow::bail!("call failed with {}: {}", reply.status, reply.body);
-            }
-        }
+    for (name, totals) in [("kvmesh", &kvmesh), ("round robin", &round_robin)] {
+        println!(
+            "{name:<12} {:>13} {:>13} {:>6.1}% {:>13.1}ms",
+            totals.prompt,
+            totals.cached,
+            totals.hit_rate(),
+            totals.median_latency().as_secs_f64() * 1e3,
+        );
     }
     println!(
-        "\nprompt tokens served from cache: {cached_total} of {prompt_total} ({:.1}%)",
-        100.0 * cached_total as f64 / prompt_total.max(1) as f64
+        "ratio: kvmesh served {} the cached tokens of round robin; the engines computed {} prompt tokens instead of {} ({} fewer)",
+        times(kvmesh.cached, round_robin.cached),
+        kvmesh.prefilled(),
+        round_robin.prefilled(),
+        times(round_robin.prefilled(), kvmesh.prefilled()),
+    );
+    // Without this line the close medians read as "kvmesh changes nothing".
+    let saved_ms =
+        round_robin.prefilled().saturating_sub(kvmesh.prefilled()) as f64 * TIME_SCALE / PREFILL_TOKENS_PER_MS;
+    println!(
+        "(latency is mostly each call's 64 simulated decode steps, the same on any worker; the prefill kvmesh saved \
+         is {saved_ms:.1} ms over {} calls at this time scale)",
+        kvmesh.latencies.len()
     );
     println!(
-        "kvmesh picks in Envoy: {}, fail-opens: {}",
+        "kvmesh picks in Envoy: {} (run 1 only), fail-opens: {}",
         cluster.envoy_counter("wasmcustom.kvmesh.picks").await?,
         cluster
             .envoy_counter("wasmcustom.kvmesh.fail_open.sidecar_error")
@@ -84,4 +183,62 @@ async fn main() -> anyhow::Result<()> {
     println!("stopping everything the demo started.");
     drop(cluster);
     Ok(())
+}
+
+/// Sends every session's calls, interleaved, to the Envoy listener at
+/// `base_url`, printing one row per call.
+async fn run(
+    http: &reqwest::Client,
+    base_url: &str,
+    sessions: &[Session],
+    workers: &[String],
+) -> anyhow::Result<RunTotals> {
+    println!(
+        "{:<12} {:>4}  {:<8} {:>13} {:>13} {:>7} {:>9}",
+        "session", "turn", "worker", "prompt tok", "cached tok", "hit", "latency"
+    );
+    let mut totals = RunTotals {
+        prompt: 0,
+        cached: 0,
+        latencies: Vec::new(),
+    };
+    for turn in 0..TURNS {
+        for session in sessions {
+            let request = http
+                .post(format!("{base_url}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .header(session.header, session.id)
+                .body(serde_json::to_vec(&session.calls.call(turn))?);
+            let reply = Reply::read(request).await?;
+            if reply.status != 200 {
+                anyhow::bail!("call failed with {}: {}", reply.status, reply.body);
+            }
+            let prompt = reply.prompt_tokens().unwrap_or(0);
+            let cached = reply.cached_tokens().unwrap_or(0);
+            totals.prompt += prompt;
+            totals.cached += cached;
+            totals.latencies.push(reply.latency);
+            let worker = reply
+                .worker
+                .as_deref()
+                .and_then(|name| workers.iter().position(|w| w == name))
+                .map_or_else(|| "?".to_owned(), |i| format!("worker{i}"));
+            println!(
+                "{:<12} {turn:>4}  {worker:<8} {prompt:>13} {cached:>13} {:>6.1}% {:>7.1}ms",
+                session.label,
+                100.0 * cached as f64 / prompt.max(1) as f64,
+                reply.latency.as_secs_f64() * 1e3,
+            );
+        }
+    }
+    Ok(totals)
+}
+
+/// `a / b` as "3.2x" ("inf x" when `b` is 0).
+fn times(a: u64, b: u64) -> String {
+    if b == 0 {
+        "inf x".to_owned()
+    } else {
+        format!("{:.1}x", a as f64 / b as f64)
+    }
 }

@@ -16,6 +16,25 @@ async fn worker_view(cluster: &Cluster, address: &str) -> anyhow::Result<Value> 
         .ok_or_else(|| anyhow::anyhow!("no worker {address}"))
 }
 
+/// The capacity in blocks that worker view `w` should show: the engine's
+/// tokens over the tokens a block of `block_bytes` holds at the learned
+/// bytes per token (0 if the view lacks a figure). The router converts again
+/// only when that figure moves by over 2 %, so it is held to that.
+fn converted(w: &Value, block_bytes: u64) -> Value {
+    let (Some(tokens), Some(bytes_per_token), Some(tokens_per_block)) = (
+        w["engine_capacity_tokens"].as_u64(),
+        w["bytes_per_token"].as_f64(),
+        w["tokens_per_block"].as_f64(),
+    ) else {
+        return Value::from(0);
+    };
+    let exact = block_bytes as f64 / bytes_per_token;
+    if w["block_bytes"] != block_bytes || (tokens_per_block - exact).abs() > 0.02 * tokens_per_block {
+        return Value::from(0);
+    }
+    Value::from((tokens as f64 / tokens_per_block) as u64)
+}
+
 async fn wait_until(
     cluster: &Cluster,
     address: &str,
@@ -27,7 +46,11 @@ async fn wait_until(
         if check(&worker_view(cluster, address).await?) {
             return Ok(started.elapsed());
         }
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(10), "{address} never {what}");
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "{address} never {what}: {}",
+            worker_view(cluster, address).await?
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -49,9 +72,10 @@ async fn the_watcher_reads_capacity_restarts_and_health() -> anyhow::Result<()> 
     let first = cluster.chat(&session.call(0), &[("x-session-id", "watched")]).await?;
     let home = first.worker.clone().unwrap_or_default();
 
-    // Capacity: the sim's 200,000 tokens at 64 tokens per 256-byte block.
+    // Capacity: the sim's 200,000 tokens, at the engine tokens a 256-byte
+    // block holds (256 over the bytes per token learned from its usage).
     wait_until(&cluster, &home, "learned its capacity", |w| {
-        w["capacity_blocks"] == 3125
+        w["engine_capacity_tokens"] == 200_000 && w["capacity_blocks"] == converted(w, 256)
     })
     .await?;
     assert!(worker_view(&cluster, &home).await?["cached_blocks"].as_u64() > Some(0));
@@ -91,5 +115,39 @@ async fn the_watcher_reads_capacity_restarts_and_health() -> anyhow::Result<()> 
     let moved = cluster.chat(&session.call(1), &[("x-session-id", "watched")]).await?;
     assert_eq!(moved.status, 200);
     assert_ne!(moved.worker.as_deref(), Some(home.as_str()));
+    Ok(())
+}
+
+/// With the filter cutting 512-byte blocks, the capacity in blocks is the
+/// engine's tokens over 512 / bytes per token: the block size comes from
+/// the Picks, and nothing assumes 256 bytes or 4 bytes per token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_capacity_is_converted_at_the_filters_block_size() -> anyhow::Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        plugin: serde_json::json!({"block_bytes": 512}),
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let session = AgentSession::new("acme/blocks-512");
+    let mut home = String::new();
+    for turn in 0..3 {
+        let reply = cluster.chat(&session.call(turn), &[("x-session-id", "b512")]).await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        home = reply.worker.unwrap_or_default();
+    }
+    cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
+    wait_until(&cluster, &home, "converted its capacity at 512 bytes", |w| {
+        w["engine_capacity_tokens"] == 200_000 && w["capacity_blocks"] == converted(w, 512)
+    })
+    .await?;
+    let w = worker_view(&cluster, &home).await?;
+    let bytes_per_token = w["bytes_per_token"].as_f64().unwrap_or(0.0);
+    eprintln!(
+        "capacity {} blocks at {} tokens per block ({bytes_per_token:.3} bytes per token learned)",
+        w["capacity_blocks"], w["tokens_per_block"]
+    );
+    // Not the old fixed conversion (256-byte blocks at 4 bytes per token),
+    // which gave twice as many blocks.
+    assert_ne!(w["capacity_blocks"], 200_000 / 64);
     Ok(())
 }

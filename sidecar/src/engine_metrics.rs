@@ -242,13 +242,19 @@ impl<'a> Metrics<'a> {
         names.iter().find_map(|name| self.by_name.get(name).copied())
     }
 
+    /// `None` when the sum overflowed: finite values near `f64::MAX` add up
+    /// to infinity, which is no reading either (and would reach the
+    /// router as an infinite queue).
     fn sum(&self, names: &[&str]) -> Option<f64> {
-        self.first(names).map(|aggregate| aggregate.sum)
+        self.first(names)
+            .map(|aggregate| aggregate.sum)
+            .filter(|sum| sum.is_finite())
     }
 
     fn mean(&self, names: &[&str]) -> Option<f64> {
         self.first(names)
             .map(|aggregate| aggregate.sum / f64::from(aggregate.series.max(1)))
+            .filter(|mean| mean.is_finite())
     }
 
     fn max(&self, names: &[&str]) -> Option<f64> {
@@ -626,6 +632,15 @@ vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_bloc
         );
         assert_eq!(snapshot.kv_usage, None);
         assert_eq!(snapshot.running, Some(2.0));
+    }
+
+    #[test]
+    fn sums_that_overflow_are_no_reading() {
+        let snapshot = parse(
+            "vllm:num_requests_waiting{engine=\"0\"} 1e308\nvllm:num_requests_waiting{engine=\"1\"} 1e308\n\
+             vllm:kv_cache_usage_perc{engine=\"0\"} 1.7e308\nvllm:kv_cache_usage_perc{engine=\"1\"} 1.7e308\n",
+        );
+        assert_eq!((snapshot.waiting, snapshot.kv_usage), (None, None));
     }
 
     #[test]

@@ -20,7 +20,7 @@
 //!   and the `report` command's client of it), `store` (Redis), `watcher`
 //!   (engine scrapes, DNS, session expiry), `shutdown` (signals).
 //!
-//! This file is the composition root: [`serve`] builds the state and starts
+//! This file is the composition root: `serve` builds the state and starts
 //! every edge; it is the only place that knows them all.
 #![forbid(unsafe_code)]
 
@@ -57,28 +57,6 @@ mod watcher;
 #[cfg(feature = "server")]
 pub use crate::config::{Args, Command, ConfigErrors, ReportArgs, Settings};
 
-#[cfg(feature = "server")]
-use anyhow::Context;
-#[cfg(feature = "server")]
-use kvmesh_core::{InsightConfig, Insights, Router, RouterConfig};
-#[cfg(feature = "server")]
-use kvmesh_proto::v1::router_server::RouterServer;
-#[cfg(feature = "server")]
-use kvmesh_vocab::limits::MAX_MESSAGE_BYTES;
-#[cfg(feature = "server")]
-use tokio::net::TcpListener;
-#[cfg(feature = "server")]
-use tokio_util::sync::CancellationToken;
-#[cfg(feature = "server")]
-use tracing::{info, warn};
-
-#[cfg(feature = "server")]
-use crate::metrics::Metrics;
-#[cfg(feature = "server")]
-use crate::service::RouterService;
-#[cfg(feature = "server")]
-use crate::state::Shared;
-
 /// `kvmesh-sidecar report`: fetches a running sidecar's agent report and
 /// renders it (tables, or JSON with `--json`).
 #[cfg(feature = "server")]
@@ -86,13 +64,25 @@ pub async fn report(args: ReportArgs) -> anyhow::Result<String> {
     admin::fetch_report(args).await
 }
 
-#[cfg(feature = "server")]
 /// Serves until shutdown: binds the gRPC and admin ports, starts every edge's
 /// tasks, prints `kvmesh-sidecar listening grpc=… admin=…` on stdout once
 /// both are bound, and returns once the gRPC server has stopped and the
 /// Redis backlog and snapshot are written. Needs a Tokio runtime with I/O
 /// and time enabled.
+#[cfg(feature = "server")]
 pub async fn serve(settings: Settings) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use kvmesh_core::{InsightConfig, Insights, Router, RouterConfig};
+    use kvmesh_proto::v1::router_server::RouterServer;
+    use kvmesh_vocab::limits::MAX_MESSAGE_BYTES;
+    use tokio::net::TcpListener;
+    use tokio_util::sync::CancellationToken;
+    use tracing::{info, warn};
+
+    use crate::metrics::Metrics;
+    use crate::service::RouterService;
+    use crate::state::Shared;
+
     // Before anything slow (Redis): a SIGTERM during start must not kill
     // the process without its shutdown.
     let signals = shutdown::Signals::register();

@@ -32,6 +32,8 @@ check-fmt:
 # Clippy with warnings denied, natively and for the Wasm build.
 clippy:
     cargo clippy --workspace --all-targets --locked -- -D warnings
+    # The sidecar's pure modules alone, as the fuzz targets link them.
+    cargo clippy --locked -p kvmesh-sidecar --no-default-features --lib --tests -- -D warnings
     cargo clippy --locked --target {{wasm_target}} -p kvmesh-filter -p kvmesh-request -p kvmesh-proto -- -D warnings
     cargo clippy --locked --target {{wasm_target}} -p kvmesh-filter --features crash-test -- -D warnings
 
@@ -85,7 +87,7 @@ fuzz-each seconds corpus:
     #!/usr/bin/env bash
     set -euo pipefail
     cd fuzz
-    for target in request usage pick_report; do
+    for target in request usage pick_report engine_metrics snapshot; do
         # CI writes new inputs to a scratch directory, not the committed corpus.
         dirs=(corpus/$target)
         if [ "{{corpus}}" = scratch ]; then dirs=("$(mktemp -d)" corpus/$target); fi

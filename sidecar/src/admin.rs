@@ -1,5 +1,7 @@
-//! The admin HTTP server: Prometheus metrics, liveness, readiness and a debug
-//! view of the workers (addresses and counts only, never prompt text).
+//! The admin HTTP edge: Prometheus metrics, liveness, readiness and debug
+//! views of the workers, sessions and agents (addresses, ids and counts
+//! only, never prompt text); and its one client, `kvmesh-sidecar report`,
+//! kept beside the route it reads so the two cannot drift apart.
 
 use axum::Router as HttpRouter;
 use axum::extract::{Query, State};
@@ -7,7 +9,9 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 
-use crate::service::Shared;
+use crate::clock::now_ms;
+use crate::config::ReportArgs;
+use crate::state::Shared;
 
 pub(crate) fn routes(shared: Shared, token: Option<String>) -> HttpRouter {
     // Probes stay open (Kubernetes cannot send a secret with them); the
@@ -70,7 +74,7 @@ async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
 
 /// Session ids, homes and idle times: ids and counts only, never prompt text.
 async fn sessions(State(shared): State<Shared>) -> impl IntoResponse {
-    let now = crate::service::now_ms();
+    let now = now_ms();
     let router = shared.router();
     let mut sessions: Vec<serde_json::Value> = router
         .sessions()
@@ -124,7 +128,7 @@ struct ReportQuery {
 async fn report(State(shared): State<Shared>, Query(query): Query<ReportQuery>) -> impl IntoResponse {
     shared.tick_insights();
     let window_ms = query.window_secs.unwrap_or(3600).saturating_mul(1000);
-    let report = shared.insights().report(crate::service::now_ms(), window_ms);
+    let report = shared.insights().report(now_ms(), window_ms);
     axum::Json(crate::report::to_json(&report))
 }
 
@@ -195,4 +199,35 @@ async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
         })
         .collect();
     axum::Json(serde_json::json!({ "workers": workers }))
+}
+
+/// `kvmesh-sidecar report`: fetches the report and prints it.
+pub(crate) async fn fetch_report(args: ReportArgs) -> anyhow::Result<String> {
+    let url = format!(
+        "{}/debug/report?window_secs={}",
+        args.admin.trim_end_matches('/'),
+        args.window.as_secs()
+    );
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(10))
+        .build()?;
+    let mut request = client.get(&url);
+    if let Some(token) = &args.token {
+        request = request.bearer_auth(token);
+    }
+    let response = request
+        .send()
+        .await
+        .map_err(|err| anyhow::anyhow!("cannot reach the sidecar's admin port at {}: {err}", args.admin))?;
+    let status = response.status();
+    if !status.is_success() {
+        let body = response.text().await.unwrap_or_default();
+        anyhow::bail!("{url}: HTTP {status}: {}", body.trim());
+    }
+    let report: serde_json::Value = response.json().await?;
+    Ok(if args.json {
+        format!("{report:#}\n")
+    } else {
+        crate::report::render_text(&report)
+    })
 }

@@ -19,11 +19,11 @@ const MAX_PROMPT_BYTES: u64 = MAX_PROMPT_TOKENS * MAX_BYTES_PER_TOKEN;
 /// A field of a Pick past its bound: the Pick is answered with no decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("{field} is {got}, over its bound {max}")]
-pub(crate) struct Violation {
+pub struct Violation {
     /// The field's name in the proto, a metric label.
-    pub(crate) field: &'static str,
-    pub(crate) got: u64,
-    pub(crate) max: u64,
+    pub field: &'static str,
+    pub got: u64,
+    pub max: u64,
 }
 
 fn within(field: &'static str, got: usize, max: usize) -> Result<(), Violation> {
@@ -39,7 +39,7 @@ fn within(field: &'static str, got: usize, max: usize) -> Result<(), Violation> 
 
 /// Checks every bounded field of `req`; `input` is the same request as the
 /// core reads it (its block size with the default applied).
-pub(crate) fn check_pick(req: &v1::PickRequest, input: &PickInput<'_>) -> Result<(), Violation> {
+pub fn check_pick(req: &v1::PickRequest, input: &PickInput<'_>) -> Result<(), Violation> {
     for (field, value) in [
         ("session_id", &req.session_id),
         ("parent_id", &req.parent_id),
@@ -79,7 +79,7 @@ pub(crate) fn check_pick(req: &v1::PickRequest, input: &PickInput<'_>) -> Result
 
 /// Clears every string of `outcome` past its bound (the outcome still
 /// releases its pick); returns the fields cleared.
-pub(crate) fn clip_outcome(outcome: &mut v1::Outcome) -> Vec<&'static str> {
+pub fn clip_outcome(outcome: &mut v1::Outcome) -> Vec<&'static str> {
     let mut cleared = Vec::new();
     for (field, value, max) in [
         ("destination", &mut outcome.destination, MAX_ID_BYTES),

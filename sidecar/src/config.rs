@@ -27,9 +27,9 @@ pub(crate) const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9902";
     long_about,
     args_conflicts_with_subcommands = true
 )]
-pub(crate) struct Args {
+pub struct Args {
     #[command(subcommand)]
-    pub(crate) command: Option<Command>,
+    pub command: Option<Command>,
 
     /// TOML configuration file.
     #[arg(long, env = "KVMESH_CONFIG", value_name = "FILE")]
@@ -141,7 +141,7 @@ pub(crate) struct Args {
 
 /// Commands other than serving.
 #[derive(Debug, clap::Subcommand)]
-pub(crate) enum Command {
+pub enum Command {
     /// Print what agents gained over a window, per tenant and harness:
     /// tokens computed and reused, the GPU time saved, the cost of keeping
     /// idle sessions warm, and the top prefix breakers. Reads a running
@@ -150,7 +150,7 @@ pub(crate) enum Command {
 }
 
 #[derive(Debug, clap::Args)]
-pub(crate) struct ReportArgs {
+pub struct ReportArgs {
     /// Admin URL of the sidecar.
     #[arg(
         long,
@@ -221,7 +221,7 @@ struct FileConfig {
 
 /// Validated settings.
 #[derive(Debug, Clone)]
-pub(crate) struct Settings {
+pub struct Settings {
     pub(crate) grpc_listen: SocketAddr,
     pub(crate) admin_listen: SocketAddr,
     pub(crate) workers: Vec<SocketAddr>,
@@ -241,15 +241,15 @@ pub(crate) struct Settings {
     pub(crate) kv_bytes_per_token: f64,
     pub(crate) tenant_labels: usize,
     pub(crate) shutdown_grace: std::time::Duration,
-    pub(crate) log: String,
+    pub log: String,
 }
 
 #[derive(Debug, thiserror::Error)]
 #[error("invalid configuration:\n  - {}", .0.join("\n  - "))]
-pub(crate) struct ConfigErrors(Vec<String>);
+pub struct ConfigErrors(Vec<String>);
 
 impl Settings {
-    pub(crate) fn resolve(args: Args) -> Result<Self, ConfigErrors> {
+    pub fn resolve(args: Args) -> Result<Self, ConfigErrors> {
         let mut errors = Vec::new();
         let file = match &args.config {
             None => FileConfig::default(),

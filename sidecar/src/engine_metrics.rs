@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 /// The engine whose metric names a scrape follows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum EngineKind {
+pub enum EngineKind {
     Vllm,
     Sglang,
     Trtllm,
@@ -36,32 +36,32 @@ impl EngineKind {
 /// What one scrape of an engine's metrics says, in engine-neutral terms.
 /// Counters are cumulative since the engine started; see [`restarted`].
 #[derive(Debug, Clone, Default, PartialEq)]
-pub(crate) struct EngineSnapshot {
-    pub(crate) kind: Option<EngineKind>,
+pub struct EngineSnapshot {
+    pub kind: Option<EngineKind>,
     /// Requests running.
-    pub(crate) running: Option<f64>,
+    pub running: Option<f64>,
     /// Requests queued.
-    pub(crate) waiting: Option<f64>,
+    pub waiting: Option<f64>,
     /// Share of the KV cache in use, 0..=1.
-    pub(crate) kv_usage: Option<f64>,
+    pub kv_usage: Option<f64>,
     /// KV cache capacity in tokens.
-    pub(crate) capacity_tokens: Option<u64>,
-    pub(crate) block_size_tokens: Option<u64>,
+    pub capacity_tokens: Option<u64>,
+    pub block_size_tokens: Option<u64>,
     /// Counter: prompt tokens looked up in the prefix cache.
-    pub(crate) prefix_queries_tokens: Option<f64>,
+    pub prefix_queries_tokens: Option<f64>,
     /// Counter: prompt tokens served from the prefix cache.
-    pub(crate) prefix_hits_tokens: Option<f64>,
+    pub prefix_hits_tokens: Option<f64>,
     /// Counter: prompt tokens processed.
-    pub(crate) prompt_tokens_total: Option<f64>,
+    pub prompt_tokens_total: Option<f64>,
     /// Unix seconds at which the engine's process started.
-    pub(crate) process_start_time: Option<f64>,
+    pub process_start_time: Option<f64>,
 }
 
 /// Reads a Prometheus text exposition into a snapshot. Values of one metric
 /// name are summed over its label sets (one series per data-parallel engine
 /// or per cache source), except the usage share, which is averaged, and the
 /// block size, which is one setting and not an amount.
-pub(crate) fn parse(text: &str) -> EngineSnapshot {
+pub fn parse(text: &str) -> EngineSnapshot {
     let mut kind = None;
     let mut metrics = Metrics::default();
     for sample in text.lines().filter_map(parse_line) {
@@ -91,7 +91,7 @@ pub(crate) fn parse(text: &str) -> EngineSnapshot {
 /// SGLang's `/flush_cache`) leaves the counters growing, so it cannot be seen
 /// here. The engine kind changing also counts: another engine now answers
 /// at that address, with a cache of its own.
-pub(crate) fn restarted(before: &EngineSnapshot, now: &EngineSnapshot) -> bool {
+pub fn restarted(before: &EngineSnapshot, now: &EngineSnapshot) -> bool {
     let went_down = |was: Option<f64>, is: Option<f64>| matches!((was, is), (Some(was), Some(is)) if is < was);
     let counter_went_down = went_down(before.prefix_queries_tokens, now.prefix_queries_tokens)
         || went_down(before.prefix_hits_tokens, now.prefix_hits_tokens)
@@ -242,13 +242,19 @@ impl<'a> Metrics<'a> {
         names.iter().find_map(|name| self.by_name.get(name).copied())
     }
 
+    /// `None` when the sum overflowed: finite values near `f64::MAX` add up
+    /// to infinity, which is no reading either (and would reach the
+    /// router as an infinite queue).
     fn sum(&self, names: &[&str]) -> Option<f64> {
-        self.first(names).map(|aggregate| aggregate.sum)
+        self.first(names)
+            .map(|aggregate| aggregate.sum)
+            .filter(|sum| sum.is_finite())
     }
 
     fn mean(&self, names: &[&str]) -> Option<f64> {
         self.first(names)
             .map(|aggregate| aggregate.sum / f64::from(aggregate.series.max(1)))
+            .filter(|mean| mean.is_finite())
     }
 
     fn max(&self, names: &[&str]) -> Option<f64> {
@@ -626,6 +632,15 @@ vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_bloc
         );
         assert_eq!(snapshot.kv_usage, None);
         assert_eq!(snapshot.running, Some(2.0));
+    }
+
+    #[test]
+    fn sums_that_overflow_are_no_reading() {
+        let snapshot = parse(
+            "vllm:num_requests_waiting{engine=\"0\"} 1e308\nvllm:num_requests_waiting{engine=\"1\"} 1e308\n\
+             vllm:kv_cache_usage_perc{engine=\"0\"} 1.7e308\nvllm:kv_cache_usage_perc{engine=\"1\"} 1.7e308\n",
+        );
+        assert_eq!((snapshot.waiting, snapshot.kv_usage), (None, None));
     }
 
     #[test]

@@ -1,8 +1,7 @@
 //! Prometheus metrics of the sidecar's decisions, served on the admin port.
 
-use std::time::Duration;
-
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kvmesh_core::{Insights, Reason, Totals, WorkerView};
 use prometheus_client::collector::Collector;
@@ -227,7 +226,7 @@ fn gauge(
 
 impl Collector for InsightCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
-        let insights = crate::service::lock_insights(&self.insights);
+        let insights = crate::lock::lock(&self.insights);
         let mut rows: Vec<(AgentLabel, &Totals)> = insights
             .totals()
             .map(|(label, t)| {

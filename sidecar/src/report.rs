@@ -1,14 +1,14 @@
 //! The agent report: what agents gained over a window, per tenant and
-//! harness. The admin server renders the insight ledger as JSON
-//! (`/debug/report`); `kvmesh-sidecar report` fetches it and prints tables.
-//! Ids, counts and section positions only: never prompt text.
+//! harness, as JSON (what the admin server's `/debug/report` serves) and as
+//! text tables (what `kvmesh-sidecar report` prints). Ids, counts and
+//! section positions only: never prompt text.
+//!
+//! Pure rendering: the admin edge reads the ledger and fetches the JSON.
 
 use std::fmt::Write as _;
 
 use kvmesh_core::{BreakPoint, Report, SectionKind, Totals};
 use serde_json::{Value, json};
-
-use crate::config::ReportArgs;
 
 /// Where a break point is, in words: "tools", "system" or "message 3".
 fn section_name(point: &BreakPoint) -> String {
@@ -222,35 +222,4 @@ fn clip(s: &str, width: usize) -> String {
         cut.push('…');
         cut
     }
-}
-
-/// `kvmesh-sidecar report`: fetches the report and prints it.
-pub(crate) async fn run(args: ReportArgs) -> anyhow::Result<String> {
-    let url = format!(
-        "{}/debug/report?window_secs={}",
-        args.admin.trim_end_matches('/'),
-        args.window.as_secs()
-    );
-    let client = reqwest::Client::builder()
-        .timeout(std::time::Duration::from_secs(10))
-        .build()?;
-    let mut request = client.get(&url);
-    if let Some(token) = &args.token {
-        request = request.bearer_auth(token);
-    }
-    let response = request
-        .send()
-        .await
-        .map_err(|err| anyhow::anyhow!("cannot reach the sidecar's admin port at {}: {err}", args.admin))?;
-    let status = response.status();
-    if !status.is_success() {
-        let body = response.text().await.unwrap_or_default();
-        anyhow::bail!("{url}: HTTP {status}: {}", body.trim());
-    }
-    let report: Value = response.json().await?;
-    Ok(if args.json {
-        format!("{report:#}\n")
-    } else {
-        render_text(&report)
-    })
 }

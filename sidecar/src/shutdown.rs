@@ -9,11 +9,12 @@
 
 use std::time::Duration;
 
-use kvmesh_proto::v1::router_server::RouterServer;
+use kvmesh_proto::v1::router_server::SERVICE_NAME;
+use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 use tracing::{info, warn};
 
-use crate::service::{RouterService, Shared};
+use crate::state::Shared;
 
 /// SIGTERM and SIGINT, registered once at start so a signal that comes
 /// early is not lost (or fatal: registration replaces the default action).
@@ -76,7 +77,7 @@ impl Signals {
 
 /// Waits for the first signal and begins shutdown; then exits the process
 /// at the second signal or when `grace` has passed, whichever is first
-/// (the orderly path in `main` usually ends the process before either).
+/// (the orderly path in `serve` usually ends the process before either).
 pub(crate) async fn on_signals(mut signals: Signals, shared: Shared, health: HealthReporter, grace: Duration) {
     let first = signals.next().await;
     info!(
@@ -84,7 +85,9 @@ pub(crate) async fn on_signals(mut signals: Signals, shared: Shared, health: Hea
         "{first}: shutdown began: not ready, no more Picks decided, ending every stream"
     );
     shared.shutdown.cancel();
-    health.set_not_serving::<RouterServer<RouterService>>().await;
+    // By the proto's service name, not the gRPC edge's type: an edge
+    // imports no other edge.
+    health.set_service_status(SERVICE_NAME, ServingStatus::NotServing).await;
     let why = tokio::select! {
         second = signals.next() => format!("{second} again: exiting at once"),
         () = tokio::time::sleep(grace) => format!("the shutdown grace of {grace:?} is over: exiting now"),

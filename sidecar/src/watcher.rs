@@ -9,8 +9,9 @@ use std::time::Duration;
 use kvmesh_core::WorkerState;
 use tracing::{info, warn};
 
+use crate::clock::now_ms;
 use crate::engine_metrics::{self, EngineSnapshot};
-use crate::service::{Shared, now_ms};
+use crate::state::Shared;
 
 /// A worker is marked down after this many failed scrapes in a row.
 const FAILURES_BEFORE_DOWN: u32 = 2;

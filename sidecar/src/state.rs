@@ -1,0 +1,207 @@
+//! The sidecar's shared state, [`Shared`]: the router, the insight ledger,
+//! the metrics, the Redis placement sink and the shutdown token, with the
+//! one lock order they are taken in, and the two things every Pick and
+//! Outcome goes through whichever edge brought it: `pick` (check, decide,
+//! record, publish) and `report` (clip, learn, record).
+//!
+//! Below every edge: gRPC, admin HTTP, the Redis store, the engine watcher
+//! and shutdown all import this module, and it imports none of them. The
+//! store plugs in through [`PlacementSink`], so Pick can publish a placement
+//! without knowing Redis.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use kvmesh_core::{Call, Decision, Insights, PromptSection, Router};
+use kvmesh_proto::v1;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::bounds::{self, Violation};
+use crate::clock::now_ms;
+use crate::lock::lock;
+use crate::metrics::Metrics;
+use crate::wire;
+
+/// One placement decided by this replica, for the other replicas.
+#[derive(Debug, Clone)]
+pub(crate) struct Placement {
+    pub(crate) worker: String,
+    pub(crate) session: String,
+    pub(crate) blocks: Vec<u64>,
+}
+
+/// Where Pick hands its placements (the Redis store). Never waits: Pick is
+/// on the request path, the sink publishes in the background.
+pub(crate) trait PlacementSink: std::fmt::Debug + Send + Sync {
+    fn publish(&self, placement: Placement);
+}
+
+/// What became of one Pick.
+#[derive(Debug)]
+pub(crate) enum Answer {
+    Decided(v1::PickReply),
+    /// It broke a wire bound: no decision, nothing recorded.
+    Rejected(Violation),
+    /// Shutdown has begun: another replica (or fail-open) must answer it.
+    Draining,
+}
+
+/// The routing state every edge shares: cloned into each (the clone is a
+/// handful of `Arc`s).
+///
+/// Lock order: `router` before `insights`, never the reverse. The ledger
+/// reads the router's state while it records a Pick, so `pick` holds the
+/// router while it locks the ledger; an edge that locked the ledger first
+/// and then wanted the router would deadlock against it. Nothing is locked
+/// across an `.await`: both are std mutexes held for microseconds.
+#[derive(Debug, Clone)]
+pub(crate) struct Shared {
+    router: Arc<Mutex<Router>>,
+    /// Locked after `router` when both are needed, never before it.
+    insights: Arc<Mutex<Insights>>,
+    pub(crate) metrics: Arc<Metrics>,
+    /// Set once Redis is connected (never, without `--redis`).
+    pub(crate) store: Arc<std::sync::OnceLock<Box<dyn PlacementSink>>>,
+    /// Cancelled when shutdown begins: from then on no Pick is decided and
+    /// every stream ends.
+    pub(crate) shutdown: CancellationToken,
+}
+
+impl Shared {
+    pub(crate) fn new(router: Router, insights: Arc<Mutex<Insights>>, metrics: Metrics) -> Self {
+        Self {
+            router: Arc::new(Mutex::new(router)),
+            insights,
+            metrics: Arc::new(metrics),
+            store: Arc::new(std::sync::OnceLock::new()),
+            shutdown: CancellationToken::new(),
+        }
+    }
+
+    /// Shutdown has begun.
+    pub(crate) fn draining(&self) -> bool {
+        self.shutdown.is_cancelled()
+    }
+
+    /// The router (see `lock` on poisoning).
+    pub(crate) fn router(&self) -> MutexGuard<'_, Router> {
+        lock(&self.router)
+    }
+
+    /// The insight ledger (see `lock` on poisoning).
+    pub(crate) fn insights(&self) -> MutexGuard<'_, Insights> {
+        lock(&self.insights)
+    }
+
+    /// Charges idle sessions and refreshes the retention figures.
+    pub(crate) fn tick_insights(&self) {
+        let router = self.router();
+        self.insights().tick(now_ms(), &*router);
+    }
+}
+
+impl Shared {
+    /// Checks one Pick, then decides it and records it.
+    pub(crate) fn pick(&self, req: &v1::PickRequest) -> Answer {
+        if self.draining() {
+            self.metrics.observe_refused_draining();
+            return Answer::Draining;
+        }
+        let started = Instant::now();
+        let now = now_ms();
+        let input = wire::pick_input(req, now);
+        if let Err(violation) = bounds::check_pick(req, &input) {
+            // Debug, not warn: whoever can send Picks could flood the log.
+            debug!(request_id = req.request_id, "pick rejected: {violation}");
+            self.metrics.observe_rejected(violation.field);
+            return Answer::Rejected(violation);
+        }
+        let (decision, destinations) = {
+            let mut router = self.router();
+            let decision: Decision = router.pick(input);
+            let destinations: Vec<String> = decision
+                .ranked
+                .iter()
+                .filter_map(|id| router.address(*id).map(str::to_owned))
+                .collect();
+            let sections: Vec<PromptSection> = req.sections.iter().map(wire::section_from_wire).collect();
+            self.insights().on_pick(
+                &Call {
+                    pick_id: decision.pick_id,
+                    input,
+                    harness: &req.harness,
+                    tenant: &req.tenant,
+                    sections: &sections,
+                    bytes_per_token: router.bytes_per_token(&req.model),
+                },
+                &router.placed(&decision),
+                &*router,
+            );
+            (decision, destinations)
+        };
+        debug!(
+            session = %req.session_id,
+            blocks = req.block_hashes.len(),
+            reason = decision.reason.as_str(),
+            cached = decision.predicted_cached_blocks,
+            destination = destinations.first().map_or("", String::as_str),
+            "pick"
+        );
+        if let (Some(store), Some(worker)) = (self.store.get(), destinations.first()) {
+            store.publish(Placement {
+                worker: worker.clone(),
+                session: input.routing_key().to_owned(),
+                blocks: input.full_blocks().to_vec(),
+            });
+        }
+        self.metrics.observe_pick(
+            decision.reason,
+            req.block_hashes.len(),
+            decision.predicted_cached_blocks,
+            started.elapsed(),
+        );
+        // Measured where the answer leaves, not assumed: the shutdown check
+        // above and this one are a few microseconds apart.
+        if self.draining() {
+            self.metrics.observe_answered_after_shutdown();
+        }
+        Answer::Decided(v1::PickReply {
+            destinations,
+            predicted_cached_blocks: decision.predicted_cached_blocks,
+            reason: wire::reason_to_wire(decision.reason).into(),
+            pick_id: decision.pick_id,
+            request_id: req.request_id,
+        })
+    }
+
+    /// Applies one Outcome. Oversized strings are ignored and implausible
+    /// usage is dropped (counted), so neither reaches a counter or the
+    /// router's learning; the outcome still releases its pick.
+    pub(crate) fn report(&self, mut outcome: v1::Outcome) {
+        for field in bounds::clip_outcome(&mut outcome) {
+            debug!(
+                pick_id = outcome.pick_id,
+                field, "outcome field over its bound: ignored"
+            );
+            self.metrics.observe_outcome_field_dropped(field);
+        }
+        let (known, usage) = {
+            let mut router = self.router();
+            let mut core = wire::outcome_from_wire(&outcome);
+            if let Err(err) = router.check_usage(&core) {
+                debug!(pick_id = outcome.pick_id, "usage dropped: {err}");
+                self.metrics.observe_usage_rejected(err.as_str());
+                core.prompt_tokens = None;
+                core.cached_tokens = None;
+            }
+            let known = router.report(core);
+            let served = router.worker_id(&outcome.destination);
+            self.insights()
+                .on_outcome(core.pick_id, core.prompt_tokens, core.cached_tokens, served, now_ms());
+            (known, core)
+        };
+        self.metrics
+            .observe_report(known, usage.prompt_tokens, usage.cached_tokens);
+    }
+}

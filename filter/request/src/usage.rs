@@ -30,21 +30,43 @@ pub struct Usage {
 struct Tally {
     prompt_tokens: Option<u64>,
     cached_tokens: Option<u64>,
+    /// `input_tokens` of the latest usage without Anthropic's cache fields:
+    /// the whole prompt (OpenAI Responses; vLLM's Messages `message_start`).
     input_tokens: Option<u64>,
-    cache_read_input_tokens: Option<u64>,
-    cache_creation_input_tokens: Option<u64>,
+    /// The latest usage with Anthropic's cache fields, as one event gave it.
+    split: Option<Split>,
     output_tokens: Option<u64>,
+}
+
+/// Anthropic's split of a prompt, from one usage object: `input_tokens`
+/// there counts only the uncached remainder.
+#[derive(Debug, Clone, Copy)]
+struct Split {
+    input_tokens: Option<u64>,
+    cache_read_input_tokens: u64,
+    cache_creation_input_tokens: u64,
 }
 
 impl Tally {
     fn merge(&mut self, usage: &Value) {
         let n = |path: &str| usage.pointer(path).and_then(Value::as_u64);
+        let read = n("/cache_read_input_tokens");
+        let created = n("/cache_creation_input_tokens");
+        if read.is_some() || created.is_some() {
+            // Taken whole from this one object: mixing an `input_tokens` of
+            // another event (a total, in vLLM's `message_start`) with this
+            // split would count the cached part twice.
+            self.split = Some(Split {
+                input_tokens: n("/input_tokens"),
+                cache_read_input_tokens: read.unwrap_or(0),
+                cache_creation_input_tokens: created.unwrap_or(0),
+            });
+        } else if let Some(input) = n("/input_tokens") {
+            self.input_tokens = Some(input);
+        }
         let fields = [
             (&mut self.prompt_tokens, n("/prompt_tokens")),
             (&mut self.cached_tokens, n("/prompt_tokens_details/cached_tokens")),
-            (&mut self.input_tokens, n("/input_tokens")),
-            (&mut self.cache_read_input_tokens, n("/cache_read_input_tokens")),
-            (&mut self.cache_creation_input_tokens, n("/cache_creation_input_tokens")),
             (&mut self.output_tokens, n("/completion_tokens").or(n("/output_tokens"))),
         ];
         for (slot, value) in fields {
@@ -58,13 +80,20 @@ impl Tally {
     }
 
     fn usage(self) -> Usage {
-        let anthropic = self.cache_read_input_tokens.is_some() || self.cache_creation_input_tokens.is_some();
-        if anthropic {
-            // Anthropic's `input_tokens` counts only the uncached remainder.
-            let read = self.cache_read_input_tokens.unwrap_or(0);
-            let created = self.cache_creation_input_tokens.unwrap_or(0);
+        if let Some(split) = self.split {
+            let read = split.cache_read_input_tokens;
+            let prompt_tokens = match split.input_tokens {
+                // A split in full: remainder plus the cached parts.
+                Some(input) => Some(
+                    input
+                        .saturating_add(read)
+                        .saturating_add(split.cache_creation_input_tokens),
+                ),
+                // Cache fields alone: the total came in an event of its own.
+                None => self.input_tokens,
+            };
             return Usage {
-                prompt_tokens: self.input_tokens.map(|input| input + read + created),
+                prompt_tokens,
                 cached_tokens: Some(read),
                 completion_tokens: self.output_tokens,
             };

@@ -90,3 +90,44 @@ fn no_usage_and_garbage_give_nothing_and_never_panic() {
     let got = read("application/json", plain, 3);
     assert_eq!((got.prompt_tokens, got.cached_tokens), (Some(10), None));
 }
+
+fn messages_stream(start_usage: &str, delta_usage: &str) -> String {
+    format!(
+        "event: message_start\ndata: {{\"type\":\"message_start\",\"message\":{{\"id\":\"m\",\"usage\":{start_usage}}}}}\n\n\
+event: message_delta\ndata: {{\"type\":\"message_delta\",\"delta\":{{\"stop_reason\":\"end_turn\"}},\"usage\":{delta_usage}}}\n\n"
+    )
+}
+
+/// Streamed Messages put the prompt's split in different events depending
+/// on the engine; each shape counts the prompt once.
+#[test]
+fn a_streamed_messages_prompt_is_counted_once_whichever_event_splits_it() {
+    for chunk in [1, 7, 4096] {
+        // vLLM: the total in `message_start`, the split (repeating
+        // `input_tokens`, as the remainder) in `message_delta`.
+        let vllm = messages_stream(
+            r#"{"input_tokens":1717,"output_tokens":0}"#,
+            r#"{"input_tokens":53,"cache_read_input_tokens":1664,"cache_creation_input_tokens":0,"output_tokens":5}"#,
+        );
+        assert_eq!(read("text/event-stream", &vllm, chunk), usage(1717, 1664, 5));
+        // The same without `input_tokens` in `message_delta`: the cache
+        // fields alone must not be added to the total a second time.
+        let no_repeat = messages_stream(
+            r#"{"input_tokens":1717,"output_tokens":0}"#,
+            r#"{"cache_read_input_tokens":1664,"cache_creation_input_tokens":0,"output_tokens":5}"#,
+        );
+        assert_eq!(read("text/event-stream", &no_repeat, chunk), usage(1717, 1664, 5));
+        // Anthropic: the split in `message_start`, only output after.
+        let anthropic = messages_stream(
+            r#"{"input_tokens":53,"cache_read_input_tokens":1664,"cache_creation_input_tokens":0,"output_tokens":1}"#,
+            r#"{"output_tokens":5}"#,
+        );
+        assert_eq!(read("text/event-stream", &anthropic, chunk), usage(1717, 1664, 5));
+    }
+}
+
+#[test]
+fn hostile_token_counts_saturate() {
+    let json = r#"{"usage":{"input_tokens":18446744073709551615,"cache_read_input_tokens":18446744073709551615,"cache_creation_input_tokens":5,"output_tokens":1}}"#;
+    assert_eq!(read("application/json", json, 4096).prompt_tokens, Some(u64::MAX));
+}

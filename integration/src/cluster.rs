@@ -261,15 +261,8 @@ impl Cluster {
         } else {
             None
         };
-        let (sidecar, sidecar_grpc, sidecar_admin) = start_sidecar(
-            &dir,
-            options.profile,
-            "127.0.0.1:0".parse()?,
-            &addrs,
-            &options.sidecar_args,
-        )?;
-        let mut more_sidecars = Vec::new();
-        for _ in 1..options.sidecar_replicas {
+        let mut replicas = Vec::new();
+        for _ in 0..options.sidecar_replicas.max(1) {
             let (process, grpc, admin) = start_sidecar(
                 &dir,
                 options.profile,
@@ -277,8 +270,11 @@ impl Cluster {
                 &addrs,
                 &options.sidecar_args,
             )?;
-            more_sidecars.push(SidecarReplica { process, grpc, admin });
+            replicas.push(SidecarReplica { process, grpc, admin });
         }
+        let first = replicas.remove(0);
+        let (sidecar, sidecar_grpc, sidecar_admin) = (first.process, first.grpc, first.admin);
+        let more_sidecars = replicas;
         let sidecar_addrs: Vec<SocketAddr> = std::iter::once(sidecar_grpc)
             .chain(more_sidecars.iter().map(|r| r.grpc))
             .collect();

@@ -89,7 +89,9 @@ async fn sessions(State(shared): State<Shared>) -> impl IntoResponse {
     let total = sessions.len();
     sessions.truncate(1000);
     // What idle sessions hold while their agents wait on tools.
-    let idle = shared.insights().idle_sessions(now, &*router);
+    let probes = shared.insights().idle_probes();
+    let holdings = router.holdings(&probes);
+    let idle = shared.insights().idle_sessions(now, &holdings);
     let idle_count = idle.len();
     let idle: Vec<serde_json::Value> = idle
         .into_iter()

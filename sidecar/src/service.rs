@@ -22,7 +22,8 @@ use crate::store::{Placement, StoreHandle};
 #[derive(Debug, Clone)]
 pub(crate) struct Shared {
     router: Arc<Mutex<Router>>,
-    /// Locked after `router` when both are needed, never before it.
+    /// Fed each pick's record after the router's lock is released; locked
+    /// after `router` when both are needed, never before it.
     insights: Arc<Mutex<Insights>>,
     pub(crate) metrics: Arc<Metrics>,
     /// Set once Redis is connected (never, without `--redis`).
@@ -69,10 +70,13 @@ impl Shared {
         lock_insights(&self.insights)
     }
 
-    /// Charges idle sessions and refreshes the retention figures.
+    /// Charges idle sessions and refreshes the retention figures. The
+    /// router is locked only to answer the ledger's questions (does each
+    /// idle session's worker still hold its prefix), never while it runs.
     pub(crate) fn tick_insights(&self) {
-        let router = self.router();
-        self.insights().tick(now_ms(), &*router);
+        let probes = self.insights().idle_probes();
+        let holdings = self.router().holdings(&probes);
+        self.insights().tick(now_ms(), &holdings);
     }
 }
 
@@ -163,29 +167,29 @@ impl Shared {
             self.metrics.observe_rejected(violation.field);
             return Answer::Rejected(violation);
         }
-        let (decision, destinations) = {
+        let sections: Vec<PromptSection> = req.sections.iter().map(section_from_wire).collect();
+        let call = Call {
+            input,
+            harness: &req.harness,
+            tenant: &req.tenant,
+            sections: &sections,
+        };
+        // The ledger's one question about the fleet, asked before the pick
+        // and answered under the router's lock with the pick itself.
+        let probe = self.insights().probe(&call);
+        let (decision, holdings, destinations) = {
             let mut router = self.router();
             let decision: Decision = router.pick(input);
+            let holdings = router.holdings(probe.as_slice());
             let destinations: Vec<String> = decision
                 .ranked
                 .iter()
                 .filter_map(|id| router.address(*id).map(str::to_owned))
                 .collect();
-            let sections: Vec<PromptSection> = req.sections.iter().map(section_from_wire).collect();
-            self.insights().on_pick(
-                &Call {
-                    pick_id: decision.pick_id,
-                    input,
-                    harness: &req.harness,
-                    tenant: &req.tenant,
-                    sections: &sections,
-                    bytes_per_token: router.bytes_per_token(&req.model),
-                },
-                &router.placed(&decision),
-                &*router,
-            );
-            (decision, destinations)
+            (decision, holdings, destinations)
         };
+        // The ledger consumes the record with the router's lock released.
+        self.insights().on_pick(&call, &decision, &holdings);
         debug!(
             session = %req.session_id,
             blocks = req.block_hashes.len(),
@@ -232,7 +236,7 @@ impl Shared {
             );
             self.metrics.observe_outcome_field_dropped(field);
         }
-        let (known, usage) = {
+        let (known, usage, served) = {
             let mut router = self.router();
             let mut core = Outcome {
                 pick_id: outcome.pick_id,
@@ -248,10 +252,15 @@ impl Shared {
             }
             let known = router.report(core);
             let served = router.worker_id(&outcome.destination);
-            self.insights()
-                .on_outcome(core.pick_id, core.prompt_tokens, core.cached_tokens, served, now_ms());
-            (known, core)
+            (known, core, served)
         };
+        self.insights().on_outcome(
+            usage.pick_id,
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            served,
+            now_ms(),
+        );
         self.metrics
             .observe_report(known, usage.prompt_tokens, usage.cached_tokens);
     }

@@ -259,7 +259,7 @@ impl Router {
             candidates.push(Candidate {
                 id,
                 overlap,
-                cost,
+                cost: cost.total,
                 preference,
                 in_flight: w.load.in_flight,
             });
@@ -288,7 +288,7 @@ impl Router {
             .map(|c| c.id)
             .collect();
         decision.reason = reason;
-        decision.cost = chosen.cost;
+        decision.cost = decision.costs.get(chosen.id.0).copied().flatten().unwrap_or_default();
         decision.predicted_cached_blocks = u32::try_from(chosen.overlap).unwrap_or(u32::MAX);
         decision.best_overlap = u32::try_from(best_overlap).unwrap_or(u32::MAX);
         decision.prefill_tokens_per_ms = self.prefill_tokens_per_ms(chosen.id);

@@ -365,3 +365,25 @@ fn the_report_covers_only_its_window() {
     assert_eq!(calls(60_000), 1);
     assert_eq!(calls(3_600_000), 2);
 }
+
+#[test]
+fn an_idle_session_asked_about_too_late_is_charged_at_the_next_tick() {
+    let mut insights = Insights::new(InsightConfig {
+        kv_bytes_per_token: 1.0,
+        ..InsightConfig::default()
+    });
+    let fleet = Fleet::default();
+    on_pick(
+        &mut insights,
+        &call(1, "a", "codex", &[1, 2, 3, 4], &[], 400, 0),
+        placed(0, 0, 0),
+        &fleet,
+    );
+    insights.on_outcome(1, None, None, Some(WorkerId(0)), 1_000);
+    // Holdings taken before the session went idle do not answer for it.
+    insights.tick(5_000, &Holdings::default());
+    assert_eq!(totals_of(&insights, "codex").idle_kv_byte_ms, 0.0);
+    // The next tick that asks charges the whole idle stretch.
+    tick(&mut insights, 9_000, &fleet);
+    assert_eq!(totals_of(&insights, "codex").idle_kv_byte_ms, 100.0 * 8_000.0);
+}

@@ -51,8 +51,6 @@ fuzz_target!(|data: &[u8]| {
                 truncated: pick.truncated,
                 now_ms: now,
             };
-            let decision = router.pick(input);
-            assert!(decision.ranked.len() <= 3);
             let sections: Vec<PromptSection> = pick
                 .sections
                 .iter()
@@ -68,18 +66,19 @@ fuzz_target!(|data: &[u8]| {
                     digest: s.digest,
                 })
                 .collect();
-            insights.on_pick(
-                &Call {
-                    pick_id: decision.pick_id,
-                    input,
-                    harness: &pick.harness,
-                    tenant: &pick.tenant,
-                    sections: &sections,
-                    bytes_per_token: router.bytes_per_token(&pick.model),
-                },
-                &router.placed(&decision),
-                &router,
-            );
+            let call = Call {
+                input,
+                harness: &pick.harness,
+                tenant: &pick.tenant,
+                sections: &sections,
+            };
+            // As the sidecar does it: the ledger's probe, the pick and its
+            // answer, then the record applied without the router.
+            let probe = insights.probe(&call);
+            let decision = router.pick(input);
+            assert!(decision.ranked.len() <= 3);
+            let holdings = router.holdings(probe.as_slice());
+            insights.on_pick(&call, &decision, &holdings);
         }
         if let Ok(outcome) = v1::Outcome::decode(message) {
             router.report(Outcome {
@@ -97,7 +96,8 @@ fuzz_target!(|data: &[u8]| {
                 now,
             );
         }
-        insights.tick(now, &router);
+        let holdings = router.holdings(&insights.idle_probes());
+        insights.tick(now, &holdings);
     }
     let report = insights.report(now, 60_000);
     assert!(report.rows.iter().all(|r| r.2.repeated_prefix_share() <= 1.0));

@@ -93,7 +93,9 @@ async fn sessions(State(shared): State<Shared>) -> impl IntoResponse {
     let total = sessions.len();
     sessions.truncate(1000);
     // What idle sessions hold while their agents wait on tools.
-    let idle = shared.insights().idle_sessions(now, &*router);
+    let probes = shared.insights().idle_probes();
+    let holdings = router.holdings(&probes);
+    let idle = shared.insights().idle_sessions(now, &holdings);
     let idle_count = idle.len();
     let idle: Vec<serde_json::Value> = idle
         .into_iter()
@@ -225,9 +227,12 @@ pub(crate) async fn fetch_report(args: ReportArgs) -> anyhow::Result<String> {
         anyhow::bail!("{url}: HTTP {status}: {}", body.trim());
     }
     let report: serde_json::Value = response.json().await?;
-    Ok(if args.json {
-        format!("{report:#}\n")
-    } else {
-        crate::report::render_text(&report)
-    })
+    if args.json {
+        return Ok(format!("{report:#}\n"));
+    }
+    // A sidecar of another version may name its figures otherwise: say so
+    // rather than print zeros.
+    let report: crate::report::AgentReport = serde_json::from_value(report)
+        .map_err(|err| anyhow::anyhow!("{url}: not a report this version can read: {err}"))?;
+    Ok(crate::report::render_text(&report))
 }

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvmesh_core::{Insights, Reason, Totals, WorkerView};
+use kvmesh_core::{Figures, Insights, Reason, Totals, WorkerView};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -116,88 +116,6 @@ struct InsightCollector {
     insights: Arc<Mutex<Insights>>,
 }
 
-/// A per-(harness, tenant) counter: name, help, value.
-type AgentCounter = (&'static str, &'static str, fn(&Totals) -> f64);
-
-const AGENT_COUNTERS: &[AgentCounter] = &[
-    ("calls", "Routed calls", |t| t.calls as f64),
-    (
-        "prompt_bytes",
-        "Canonical prompt bytes of routed calls (tools, system, messages as the filter hashes them)",
-        |t| t.prompt_bytes as f64,
-    ),
-    (
-        "repeated_prefix_bytes",
-        "Leading prompt bytes that an earlier call already sent; over prompt_bytes, the repeated-prefix share",
-        |t| t.repeated_prefix_bytes as f64,
-    ),
-    (
-        "prompt_tokens",
-        "Prompt tokens of routed calls, estimated from their bytes",
-        |t| t.prompt_tokens,
-    ),
-    (
-        "repeated_prefix_tokens",
-        "Leading prompt tokens that an earlier call already sent (the session's previous call, or a prefix a worker holds)",
-        |t| t.repeated_prefix_tokens,
-    ),
-    (
-        "predicted_cached_tokens",
-        "Prompt tokens predicted cached on the chosen worker",
-        |t| t.predicted_cached_tokens,
-    ),
-    (
-        "reachable_cached_tokens",
-        "Prompt tokens cached on the best worker for each call: what routing could reach",
-        |t| t.reachable_cached_tokens,
-    ),
-    (
-        "cache_read_tokens",
-        "Prompt tokens the engines reported served from their cache",
-        |t| t.reported_cached_tokens,
-    ),
-    (
-        "cache_written_tokens",
-        "Prompt tokens the engines computed and wrote to their cache (prompt - cached)",
-        |t| t.written_tokens,
-    ),
-    (
-        "usage_reported_prompt_tokens",
-        "Prompt tokens the engines reported, for calls that reported usage",
-        |t| t.reported_prompt_tokens,
-    ),
-    (
-        "session_continuing_calls",
-        "Calls of a session whose previous call went to a known worker",
-        |t| t.continuing_calls as f64,
-    ),
-    (
-        "session_same_worker_calls",
-        "Continuing calls that reached the worker of the session's previous call",
-        |t| t.same_worker_calls as f64,
-    ),
-    (
-        "prefix_checks",
-        "Continuing calls whose prefix was compared with the session's previous call",
-        |t| t.prefix_checks as f64,
-    ),
-    (
-        "prefill_saved_seconds",
-        "Estimated GPU prefill time saved by cached tokens, at each worker's prefill rate",
-        |t| t.prefill_saved_ms / 1000.0,
-    ),
-    (
-        "prefill_computed_seconds",
-        "Estimated GPU prefill time spent on computed tokens",
-        |t| t.prefill_computed_ms / 1000.0,
-    ),
-    (
-        "idle_kv_byte_seconds",
-        "KV-cache bytes held by idle sessions on their workers, times the seconds they were idle: what keeping sessions warm costs",
-        |t| t.idle_kv_byte_ms / 1000.0,
-    ),
-];
-
 fn counter(
     encoder: &mut DescriptorEncoder<'_>,
     name: &str,
@@ -240,9 +158,11 @@ impl Collector for InsightCollector {
             })
             .collect();
         rows.sort_by(|a, b| (a.0.harness, &a.0.tenant).cmp(&(b.0.harness, &b.0.tenant)));
-        for (name, help, value) in AGENT_COUNTERS {
-            let values: Vec<(AgentLabel, f64)> = rows.iter().map(|(l, t)| (l.clone(), value(t))).collect();
-            counter(&mut encoder, name, help, &values)?;
+        // The ledger's one list of figures: those that are counters.
+        for figure in Figures::ALL {
+            let Some(name) = figure.counter else { continue };
+            let values: Vec<(AgentLabel, f64)> = rows.iter().map(|(l, t)| (l.clone(), (figure.value)(t))).collect();
+            counter(&mut encoder, name, figure.help.trim(), &values)?;
         }
         let moves: Vec<(AgentDetailLabel, f64)> = rows
             .iter()

@@ -7,8 +7,55 @@
 
 use std::fmt::Write as _;
 
-use kvmesh_core::{BreakPoint, Report, SectionKind, Totals};
-use serde_json::{Value, json};
+use std::collections::BTreeMap;
+
+use kvmesh_core::{BreakPoint, Figures, Report, SectionKind, Totals};
+use serde::{Deserialize, Serialize};
+
+/// The report as the admin server serves it and `kvmesh-sidecar report`
+/// reads it back: typed both ways, so a renamed figure fails to compile
+/// rather than print 0.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct AgentReport {
+    window_seconds: u64,
+    rows: Vec<Row>,
+    breakers: Vec<Breaker>,
+    retention: Vec<RetentionRow>,
+}
+
+/// One (harness, tenant): the ledger's figures, as it names them.
+#[derive(Debug, Serialize, Deserialize)]
+struct Row {
+    harness: String,
+    tenant: String,
+    #[serde(flatten)]
+    figures: Figures,
+    moves: BTreeMap<String, u64>,
+    prefix_breaks: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Breaker {
+    harness: String,
+    /// In words: "tools", "system" or "message 3".
+    section: String,
+    kind: String,
+    index: u32,
+    count: u64,
+    /// The break point's share of its harness's checked calls.
+    share_of_checked_calls: f64,
+    first_block_min: u64,
+    first_block_max: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct RetentionRow {
+    harness: String,
+    idle_sessions: u64,
+    kv_bytes: f64,
+    recompute_seconds: f64,
+    longest_idle_seconds: f64,
+}
 
 /// Where a break point is, in words: "tools", "system" or "message 3".
 fn section_name(point: &BreakPoint) -> String {
@@ -18,28 +65,22 @@ fn section_name(point: &BreakPoint) -> String {
     }
 }
 
-fn row_json(harness: &str, tenant: &str, t: &Totals) -> Value {
-    let moves: serde_json::Map<String, Value> = t.moves_by_reason().map(|(r, n)| (r.to_owned(), json!(n))).collect();
-    let breaks: serde_json::Map<String, Value> = t.breaks_by_section().map(|(s, n)| (s.to_owned(), json!(n))).collect();
-    let mut row = serde_json::Map::new();
-    row.insert("harness".to_owned(), json!(harness));
-    row.insert("tenant".to_owned(), json!(tenant));
-    for (name, value) in t.figures() {
-        // Counts print as integers.
-        let whole = value.fract() == 0.0 && (0.0..9e15).contains(&value);
-        row.insert(name.to_owned(), if whole { json!(value as u64) } else { json!(value) });
+fn row(harness: &str, tenant: &str, t: &Totals) -> Row {
+    Row {
+        harness: harness.to_owned(),
+        tenant: tenant.to_owned(),
+        figures: t.figures(),
+        moves: t.moves_by_reason().map(|(r, n)| (r.to_owned(), n)).collect(),
+        prefix_breaks: t.breaks_by_section().map(|(s, n)| (s.to_owned(), n)).collect(),
     }
-    row.insert("moves".to_owned(), Value::Object(moves));
-    row.insert("prefix_breaks".to_owned(), Value::Object(breaks));
-    Value::Object(row)
 }
 
 /// The report as the admin server serves it.
-pub(crate) fn to_json(report: &Report) -> Value {
-    let rows: Vec<Value> = report
+pub(crate) fn to_json(report: &Report) -> AgentReport {
+    let rows: Vec<Row> = report
         .rows
         .iter()
-        .map(|(harness, tenant, t)| row_json(harness, tenant, t))
+        .map(|(harness, tenant, t)| row(harness, tenant, t))
         .collect();
     // A break point's share of its harness's checked calls.
     let checks = |harness: &str| -> u64 {
@@ -50,52 +91,46 @@ pub(crate) fn to_json(report: &Report) -> Value {
             .map(|r| r.2.prefix_checks)
             .sum()
     };
-    let breakers: Vec<Value> = report
+    let breakers: Vec<Breaker> = report
         .breakers
         .iter()
         .take(20)
         .map(|(harness, point, stats)| {
             let checked = checks(harness);
-            json!({
-                "harness": harness,
-                "section": section_name(point),
-                "kind": point.kind.as_str(),
-                "index": point.index,
-                "count": stats.count,
-                "share_of_checked_calls": if checked > 0 { stats.count as f64 / checked as f64 } else { 0.0 },
-                "first_block_min": stats.first_block_min,
-                "first_block_max": stats.first_block_max,
-            })
+            Breaker {
+                harness: harness.clone(),
+                section: section_name(point),
+                kind: point.kind.as_str().to_owned(),
+                index: point.index,
+                count: stats.count,
+                share_of_checked_calls: if checked > 0 {
+                    stats.count as f64 / checked as f64
+                } else {
+                    0.0
+                },
+                first_block_min: stats.first_block_min,
+                first_block_max: stats.first_block_max,
+            }
         })
         .collect();
-    let retention: Vec<Value> = report
+    let retention: Vec<RetentionRow> = report
         .retention
         .iter()
         .filter(|(_, r)| r.idle_sessions > 0)
-        .map(|(harness, r)| {
-            json!({
-                "harness": harness,
-                "idle_sessions": r.idle_sessions,
-                "kv_bytes": r.kv_bytes,
-                "recompute_seconds": r.recompute_ms / 1000.0,
-                "longest_idle_seconds": r.max_idle_ms as f64 / 1000.0,
-            })
+        .map(|(harness, r)| RetentionRow {
+            harness: harness.clone(),
+            idle_sessions: r.idle_sessions,
+            kv_bytes: r.kv_bytes,
+            recompute_seconds: r.recompute_ms / 1000.0,
+            longest_idle_seconds: r.max_idle_ms as f64 / 1000.0,
         })
         .collect();
-    json!({
-        "window_seconds": report.window_ms / 1000,
-        "rows": rows,
-        "breakers": breakers,
-        "retention": retention,
-    })
-}
-
-fn num(v: &Value) -> f64 {
-    v.as_f64().unwrap_or(0.0)
-}
-
-fn text(v: &Value) -> &str {
-    v.as_str().unwrap_or("?")
+    AgentReport {
+        window_seconds: report.window_ms / 1000,
+        rows,
+        breakers,
+        retention,
+    }
 }
 
 /// Human units: 1234567 → "1.23M".
@@ -119,9 +154,9 @@ fn percent(x: f64) -> String {
 }
 
 /// The report as tables, for a terminal.
-pub(crate) fn render_text(report: &Value) -> String {
+pub(crate) fn render_text(report: &AgentReport) -> String {
     let mut out = String::new();
-    let window = report["window_seconds"].as_u64().unwrap_or(0);
+    let window = report.window_seconds;
     let _ = writeln!(out, "kvmesh agent report, last {window} s\n");
     let _ = writeln!(
         out,
@@ -144,10 +179,9 @@ pub(crate) fn render_text(report: &Value) -> String {
         "{:<16} {:<12} {:>7} {:>10} {:>10} {:>10} {:>7} {:>7} {:>7} {:>9} {:>9} {:>11}",
         "", "", "", "tokens", "tokens", "prefix", "share", "ratio", "rate", "saved", "computed", "GB·s"
     );
-    let rows = report["rows"].as_array().map(Vec::as_slice).unwrap_or_default();
-    for row in rows {
-        let read = num(&row["cache_read_tokens"]);
-        let written = num(&row["cache_written_tokens"]);
+    for row in &report.rows {
+        let f = &row.figures;
+        let (read, written) = (f.cache_read_tokens, f.cache_written_tokens);
         let reuse = if read + written > 0.0 {
             read / (read + written)
         } else {
@@ -156,58 +190,56 @@ pub(crate) fn render_text(report: &Value) -> String {
         let _ = writeln!(
             out,
             "{:<16} {:<12} {:>7} {:>10} {:>10} {:>10} {:>7} {:>7.2} {:>7} {:>9.1} {:>9.1} {:>11.1}",
-            clip(text(&row["tenant"]), 16),
-            text(&row["harness"]),
-            row["calls"].as_u64().unwrap_or(0),
+            clip(&row.tenant, 16),
+            row.harness,
+            f.calls,
             si(written),
             si(read),
-            percent(num(&row["repeated_prefix_share"])),
+            percent(f.repeated_prefix_share),
             percent(reuse),
-            num(&row["read_write_ratio"]),
-            percent(num(&row["same_worker_rate"])),
-            num(&row["gpu_seconds_saved"]),
-            num(&row["gpu_seconds_computed"]),
-            num(&row["idle_kv_byte_seconds"]) / 1e9,
+            f.read_write_ratio,
+            percent(f.same_worker_rate),
+            f.gpu_seconds_saved,
+            f.gpu_seconds_computed,
+            f.idle_kv_byte_seconds / 1e9,
         );
     }
-    if rows.is_empty() {
+    if report.rows.is_empty() {
         let _ = writeln!(out, "(no calls in this window)");
     }
     let _ = writeln!(
         out,
         "\ntop prefix breakers (where a session's next call stopped matching its previous prompt)"
     );
-    let breakers = report["breakers"].as_array().map(Vec::as_slice).unwrap_or_default();
-    if breakers.is_empty() {
+    if report.breakers.is_empty() {
         let _ = writeln!(
             out,
             "(none: every continuing call kept its previous prompt as a prefix)"
         );
     }
-    for b in breakers.iter().take(10) {
+    for b in report.breakers.iter().take(10) {
         let _ = writeln!(
             out,
             "  {:<12} {:<14} {:>6} breaks  {:>6} of checked calls  first differing block {}..{}",
-            text(&b["harness"]),
-            text(&b["section"]),
-            b["count"].as_u64().unwrap_or(0),
-            percent(num(&b["share_of_checked_calls"])),
-            b["first_block_min"].as_u64().unwrap_or(0),
-            b["first_block_max"].as_u64().unwrap_or(0),
+            b.harness,
+            b.section,
+            b.count,
+            percent(b.share_of_checked_calls),
+            b.first_block_min,
+            b.first_block_max,
         );
     }
-    let retention = report["retention"].as_array().map(Vec::as_slice).unwrap_or_default();
-    if !retention.is_empty() {
+    if !report.retention.is_empty() {
         let _ = writeln!(out, "\nidle sessions now (KV kept warm while agents wait on tools)");
-        for r in retention {
+        for r in &report.retention {
             let _ = writeln!(
                 out,
                 "  {:<12} {:>6} sessions  {:>10} KV bytes  {:>8.1} s to recompute  longest idle {:.0} s",
-                text(&r["harness"]),
-                r["idle_sessions"].as_u64().unwrap_or(0),
-                si(num(&r["kv_bytes"])),
-                num(&r["recompute_seconds"]),
-                num(&r["longest_idle_seconds"]),
+                r.harness,
+                r.idle_sessions,
+                si(r.kv_bytes),
+                r.recompute_seconds,
+                r.longest_idle_seconds,
             );
         }
     }

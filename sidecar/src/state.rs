@@ -51,14 +51,17 @@ pub(crate) enum Answer {
 /// handful of `Arc`s).
 ///
 /// Lock order: `router` before `insights`, never the reverse. The ledger
-/// reads the router's state while it records a Pick, so `pick` holds the
-/// router while it locks the ledger; an edge that locked the ledger first
-/// and then wanted the router would deadlock against it. Nothing is locked
+/// consumes each Pick's record after the router's lock is released (Picks
+/// never wait on it), so the two are rarely held together; where they are
+/// (a debug page reading both), the router comes first, and an edge that
+/// locked the ledger first and then wanted the router could deadlock
+/// against it. Nothing is locked
 /// across an `.await`: both are std mutexes held for microseconds.
 #[derive(Debug, Clone)]
 pub(crate) struct Shared {
     router: Arc<Mutex<Router>>,
-    /// Locked after `router` when both are needed, never before it.
+    /// Fed each pick's record after the router's lock is released; locked
+    /// after `router` when both are needed, never before it.
     insights: Arc<Mutex<Insights>>,
     pub(crate) metrics: Arc<Metrics>,
     /// Set once Redis is connected (never, without `--redis`).
@@ -96,8 +99,9 @@ impl Shared {
 
     /// Charges idle sessions and refreshes the retention figures.
     pub(crate) fn tick_insights(&self) {
-        let router = self.router();
-        self.insights().tick(now_ms(), &*router);
+        let probes = self.insights().idle_probes();
+        let holdings = self.router().holdings(&probes);
+        self.insights().tick(now_ms(), &holdings);
     }
 }
 
@@ -117,29 +121,29 @@ impl Shared {
             self.metrics.observe_rejected(violation.field);
             return Answer::Rejected(violation);
         }
-        let (decision, destinations) = {
+        let sections: Vec<PromptSection> = req.sections.iter().map(wire::section_from_wire).collect();
+        let call = Call {
+            input,
+            harness: &req.harness,
+            tenant: &req.tenant,
+            sections: &sections,
+        };
+        // The ledger's one question about the fleet, asked before the pick
+        // and answered under the router's lock with the pick itself.
+        let probe = self.insights().probe(&call);
+        let (decision, holdings, destinations) = {
             let mut router = self.router();
             let decision: Decision = router.pick(input);
+            let holdings = router.holdings(probe.as_slice());
             let destinations: Vec<String> = decision
                 .ranked
                 .iter()
                 .filter_map(|id| router.address(*id).map(str::to_owned))
                 .collect();
-            let sections: Vec<PromptSection> = req.sections.iter().map(wire::section_from_wire).collect();
-            self.insights().on_pick(
-                &Call {
-                    pick_id: decision.pick_id,
-                    input,
-                    harness: &req.harness,
-                    tenant: &req.tenant,
-                    sections: &sections,
-                    bytes_per_token: router.bytes_per_token(&req.model),
-                },
-                &router.placed(&decision),
-                &*router,
-            );
-            (decision, destinations)
+            (decision, holdings, destinations)
         };
+        // The ledger consumes the record with the router's lock released.
+        self.insights().on_pick(&call, &decision, &holdings);
         debug!(
             session = %req.session_id,
             blocks = req.block_hashes.len(),
@@ -186,7 +190,7 @@ impl Shared {
             );
             self.metrics.observe_outcome_field_dropped(field);
         }
-        let (known, usage) = {
+        let (known, usage, served) = {
             let mut router = self.router();
             let mut core = wire::outcome_from_wire(&outcome);
             if let Err(err) = router.check_usage(&core) {
@@ -197,10 +201,11 @@ impl Shared {
             }
             let known = router.report(core);
             let served = router.worker_id(&outcome.destination);
-            self.insights()
-                .on_outcome(core.pick_id, core.prompt_tokens, core.cached_tokens, served, now_ms());
-            (known, core)
+            (known, core, served)
         };
+        // The ledger after the router's lock, as for a pick.
+        self.insights()
+            .on_outcome(usage.pick_id, usage.prompt_tokens, usage.cached_tokens, served, now_ms());
         self.metrics
             .observe_report(known, usage.prompt_tokens, usage.cached_tokens);
     }

@@ -10,10 +10,18 @@
 //! (re-touching its cached blocks, adding the new ones). Medians and p99
 //! over 2,000 picks per size. Beside it, what the insight ledger adds to the
 //! sidecar's handling of each Pick (`Insights::on_pick`: the prefix
-//! comparison with the session's previous call and its new trace).
+//! comparison with the session's previous call and its new trace), which
+//! runs after the router's lock is released.
+//!
+//! `--criterion` runs instead criterion's estimates of one Pick as the
+//! sidecar handles it, with the ledger applied and without: `router_lock`
+//! is what runs under the router's lock (`Router::pick` and the ledger's
+//! one `holdings` answer), `with_ledger` adds the ledger's probe and
+//! `on_pick` after it. `--quick` shrinks the index either way.
 
 use std::time::{Duration, Instant};
 
+use criterion::{BenchmarkId, Criterion};
 use kvmesh_core::{Call, InsightConfig, Insights, Outcome, PickInput, Router, RouterConfig};
 
 /// splitmix64: a fixed, seeded stream of hashes.
@@ -36,8 +44,106 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e6
 }
 
+/// A router of `workers` filled with `entries` blocks in sessions.
+fn filled_router(entries: u64, workers: usize) -> (Router, u64) {
+    let sessions = entries / SESSION_BLOCKS;
+    let capacity = (entries as usize / workers) * 2;
+    let addresses: Vec<String> = (0..workers)
+        .map(|w| format!("10.{}.{}.{}:8000", w / 65536, (w / 256) % 256, w % 256))
+        .collect();
+    let mut router = Router::new(
+        RouterConfig {
+            worker_capacity_blocks: capacity,
+            max_sessions: 1_000_000,
+            ..RouterConfig::default()
+        },
+        addresses.iter().cloned(),
+    );
+    for s in 0..sessions {
+        let blocks = session_blocks(s, SESSION_BLOCKS);
+        router.observe_placement(&addresses[(s as usize) % workers], &blocks, &format!("s{s}"), 0);
+    }
+    (router, sessions)
+}
+
+/// The i-th request: a cached session's blocks, extended past them.
+fn request(i: u64, sessions: u64, request_blocks: u64) -> (Vec<u64>, String) {
+    let s = hash(i) % sessions;
+    let cached = request_blocks.saturating_sub(NEW_BLOCKS).min(SESSION_BLOCKS);
+    let mut hashes = session_blocks(s, cached);
+    hashes.extend((cached..request_blocks).map(|j| hash(u64::MAX - i * 100_000 - j)));
+    (hashes, format!("s{s}"))
+}
+
+/// One Pick as the sidecar handles it: the ledger's probe, then under the
+/// router's lock the pick and the probe's answer, then (with the ledger)
+/// the record applied to the ledger.
+fn sidecar_pick(router: &mut Router, insights: Option<&mut Insights>, hashes: &[u64], session: &str, i: u64) {
+    let input = PickInput {
+        block_hashes: hashes,
+        block_bytes: 256,
+        prompt_bytes: hashes.len() as u64 * 256,
+        session_id: session,
+        model: "m",
+        now_ms: i,
+        ..PickInput::default()
+    };
+    let call = Call {
+        input,
+        harness: "claude_code",
+        tenant: "t",
+        sections: &[],
+    };
+    let probe = insights.as_ref().and_then(|l| l.probe(&call));
+    let d = router.pick(input);
+    let holdings = router.holdings(probe.as_slice());
+    if let Some(insights) = insights {
+        insights.on_pick(&call, &d, &holdings);
+        insights.on_outcome(d.pick_id, None, None, d.chosen(), i);
+    }
+    router.report(Outcome {
+        pick_id: d.pick_id,
+        ..Outcome::default()
+    });
+}
+
+/// Criterion's estimates, ledger on and off (see the module doc).
+fn criterion_ledger(quick: bool) {
+    let entries = if quick { 100_000 } else { 1_000_000 };
+    let mut c = Criterion::default()
+        .sample_size(30)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(4));
+    let mut group = c.benchmark_group("pick");
+    for workers in [8usize, 64] {
+        for request_blocks in [100u64, 1600] {
+            let parameter = format!("{entries}x{workers}w/{request_blocks}b");
+            for ledger in [false, true] {
+                let (mut router, sessions) = filled_router(entries, workers);
+                let mut insights = Insights::new(InsightConfig::default());
+                let requests: Vec<(Vec<u64>, String)> =
+                    (0..256).map(|i| request(i, sessions, request_blocks)).collect();
+                let name = if ledger { "with_ledger" } else { "router_lock" };
+                let mut i = 0u64;
+                group.bench_function(BenchmarkId::new(name, &parameter), |b| {
+                    b.iter(|| {
+                        i += 1;
+                        let (hashes, session) = &requests[(i % 256) as usize];
+                        sidecar_pick(&mut router, ledger.then_some(&mut insights), hashes, session, i);
+                    });
+                });
+            }
+        }
+    }
+    group.finish();
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    if std::env::args().any(|a| a == "--criterion") {
+        criterion_ledger(quick);
+        return;
+    }
     let entry_counts: &[u64] = if quick { &[100_000] } else { &[1_000_000, 10_000_000] };
     println!(
         "| indexed entries | workers | request blocks | median | p99 | bytes per entry | insights median | insights p99 |"
@@ -45,23 +151,8 @@ fn main() {
     println!("|---|---|---|---|---|---|---|---|");
     for &entries in entry_counts {
         for workers in [8usize, 64, 512] {
-            let sessions = entries / SESSION_BLOCKS;
-            let capacity = (entries as usize / workers) * 2;
-            let mut router = Router::new(
-                RouterConfig {
-                    worker_capacity_blocks: capacity,
-                    max_sessions: 1_000_000,
-                    ..RouterConfig::default()
-                },
-                (0..workers).map(|w| format!("10.{}.{}.{}:8000", w / 65536, (w / 256) % 256, w % 256)),
-            );
-            let addresses: Vec<String> = (0..workers)
-                .map(|w| format!("10.{}.{}.{}:8000", w / 65536, (w / 256) % 256, w % 256))
-                .collect();
-            for s in 0..sessions {
-                let blocks = session_blocks(s, SESSION_BLOCKS);
-                router.observe_placement(&addresses[(s as usize) % workers], &blocks, &format!("s{s}"), 0);
-            }
+            let (router, sessions) = filled_router(entries, workers);
+            let mut router = router;
             let index = router.index();
             let bytes_per_entry = index.memory_bytes() as f64 / index.entries().max(1) as f64;
             for request_blocks in [100u64, 1600, 8000] {
@@ -69,12 +160,7 @@ fn main() {
                 let mut insight_took = Vec::with_capacity(2000);
                 let mut insights = Insights::new(InsightConfig::default());
                 for i in 0..2100u64 {
-                    // A cached session's blocks, extended past them.
-                    let s = hash(i) % sessions;
-                    let cached = request_blocks.saturating_sub(NEW_BLOCKS).min(SESSION_BLOCKS);
-                    let mut hashes = session_blocks(s, cached);
-                    hashes.extend((cached..request_blocks).map(|j| hash(u64::MAX - i * 100_000 - j)));
-                    let session = format!("s{s}");
+                    let (hashes, session) = request(i, sessions, request_blocks);
                     let input = PickInput {
                         block_hashes: &hashes,
                         block_bytes: 256,
@@ -84,23 +170,25 @@ fn main() {
                         now_ms: i,
                         ..PickInput::default()
                     };
+                    let call = Call {
+                        input,
+                        harness: "claude_code",
+                        tenant: "t",
+                        sections: &[],
+                    };
                     let started = Instant::now();
                     let d = router.pick(input);
                     let elapsed = started.elapsed();
+                    // As the sidecar does it: the probe and the record,
+                    // with the router's lock released (the probe's answer,
+                    // one index lookup, is left out of both figures).
                     let started = Instant::now();
-                    insights.on_pick(
-                        &Call {
-                            pick_id: d.pick_id,
-                            input,
-                            harness: "claude_code",
-                            tenant: "t",
-                            sections: &[],
-                            bytes_per_token: 4.0,
-                        },
-                        &router.placed(&d),
-                        &router,
-                    );
-                    let insight_elapsed = started.elapsed();
+                    let probe = insights.probe(&call);
+                    let insight_took_probe = started.elapsed();
+                    let holdings = router.holdings(probe.as_slice());
+                    let started = Instant::now();
+                    insights.on_pick(&call, &d, &holdings);
+                    let insight_elapsed = insight_took_probe + started.elapsed();
                     router.report(Outcome {
                         pick_id: d.pick_id,
                         ..Outcome::default()

@@ -2,6 +2,11 @@
 //! synchronous: no clock (time comes in as `now_ms`), no I/O, no async. The
 //! sidecar owns one `Router` and feeds it Picks, Outcomes and engine
 //! signals; the benchmark drives the very same code.
+//!
+//! Layout: `router` decides (and depends on `index`, `sessions`, `models`,
+//! `usage`, `lru`); `insight` is the ledger, a consumer downstream of the
+//! router that reads only its public record types (`Decision`,
+//! `Holdings`). Nothing the router is made of imports `insight`.
 #![forbid(unsafe_code)]
 
 mod index;
@@ -14,12 +19,13 @@ mod usage;
 
 pub use index::PrefixIndex;
 pub use insight::{
-    BreakPoint, BreakStats, Call, FleetView, HARNESSES, IdleSession, InsightConfig, Insights, LabelId, MoveReason,
-    NO_TENANT, OTHER_TENANT, Placed, PromptSection, Report, Retention, SectionKind, Totals,
+    BreakPoint, BreakStats, Call, Figure, Figures, HARNESSES, IdleSession, InsightConfig, Insights, LabelId,
+    MoveReason, NO_TENANT, OTHER_TENANT, PromptSection, Report, Retention, SectionKind, Totals,
 };
-pub use lru::Lru;
+pub use lru::{Lru, LruMap};
 pub use router::{
-    Decision, Outcome, PickInput, Reason, Router, RouterConfig, Snapshot, WorkerId, WorkerLoad, WorkerState, WorkerView,
+    Cost, Decision, Holdings, Outcome, PickInput, Reason, Router, RouterConfig, Snapshot, WorkerId, WorkerLoad,
+    WorkerState, WorkerView,
 };
 pub use sessions::SessionTable;
 pub use usage::{MAX_BYTES_PER_TOKEN, TEMPLATE_TOKENS, UsageError, check_usage};

@@ -1,104 +1,255 @@
-//! A least-recently-used set with a capacity, as an engine's prefix cache
-//! behaves: touching a key makes it newest, inserting past capacity evicts the
-//! oldest.
+//! Least-recently-used containers with a capacity: `LruMap<K, V>`, a map
+//! whose entries are ordered by last use (every bounded table of the core:
+//! sessions, pending picks, the ledger's traces and calls), and `Lru<K>`,
+//! the same as a set, as an engine's prefix cache behaves (touching a key
+//! makes it newest, inserting past capacity evicts the oldest).
 //!
-//! Touches are the hot path (every block of every routed request), so they
-//! cost one hash-map write and one queue push: the queue keeps every touch in
-//! order and stale entries (keys touched again since) are skipped when
-//! evicting and dropped when the queue grows past twice the live set.
+//! Touches are the hot path (every block of every routed request, in the
+//! simulator's engines), so they cost one hash-map write and one queue push:
+//! the queue keeps every touch in order and stale entries (keys touched
+//! again since) are skipped when evicting and dropped when the queue grows
+//! past twice the live set. One structure, so the order and the values can
+//! never disagree (they were once a `Lru` and a `HashMap` kept in step by
+//! hand, four times).
 
+use std::borrow::Borrow;
 use std::collections::VecDeque;
 use std::hash::Hash;
 
 use hashbrown::HashMap;
 
-/// LRU set of `K` bounded by `capacity` entries.
+/// A map of at most `capacity` entries, ordered by last insert or touch.
 #[derive(Debug, Clone)]
-pub struct Lru<K> {
+pub struct LruMap<K, V> {
     capacity: usize,
     clock: u64,
-    stamp_of: HashMap<K, u64>,
+    /// Each key's value and the stamp of its latest touch.
+    entries: HashMap<K, (u64, V)>,
     /// Touches in order, oldest first; an entry is live while its stamp is
     /// still the key's stamp.
     order: VecDeque<(u64, K)>,
 }
 
-impl<K: Hash + Eq + Clone> Lru<K> {
+impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
     pub fn new(capacity: usize) -> Self {
         Self {
             capacity: capacity.max(1),
             clock: 0,
-            stamp_of: HashMap::new(),
+            entries: HashMap::new(),
             order: VecDeque::new(),
         }
     }
 
-    pub fn contains(&self, key: &K) -> bool {
-        self.stamp_of.contains_key(key)
-    }
-
     pub fn len(&self) -> usize {
-        self.stamp_of.len()
+        self.entries.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.stamp_of.is_empty()
+        self.entries.is_empty()
     }
 
     pub fn capacity(&self) -> usize {
         self.capacity
     }
 
-    /// Inserts `key` as the newest entry (or refreshes it); returns how many
-    /// old entries were evicted to make room.
-    pub fn touch(&mut self, key: K) -> usize {
-        self.clock += 1;
-        self.stamp_of.insert(key.clone(), self.clock);
-        self.order.push_back((self.clock, key));
-        let mut evicted = 0;
-        while self.stamp_of.len() > self.capacity {
-            if self.pop_oldest().is_none() {
-                break;
-            }
-            evicted += 1;
-        }
-        if self.order.len() > 2 * self.stamp_of.len() + 64 {
-            let stamp_of = &self.stamp_of;
-            self.order.retain(|(stamp, key)| stamp_of.get(key) == Some(stamp));
-        }
-        evicted
+    pub fn contains_key<Q: Hash + Eq + ?Sized>(&self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+    {
+        self.entries.contains_key(key)
     }
 
-    /// The least recently used key, without removing it.
-    pub fn oldest(&mut self) -> Option<&K> {
+    /// The value, without making it newer.
+    pub fn get<Q: Hash + Eq + ?Sized>(&self, key: &Q) -> Option<&V>
+    where
+        K: Borrow<Q>,
+    {
+        self.entries.get(key).map(|(_, v)| v)
+    }
+
+    /// The value, without making it newer.
+    pub fn get_mut<Q: Hash + Eq + ?Sized>(&mut self, key: &Q) -> Option<&mut V>
+    where
+        K: Borrow<Q>,
+    {
+        self.entries.get_mut(key).map(|(_, v)| v)
+    }
+
+    /// Makes an existing key the newest; false if it is absent.
+    pub fn touch<Q: Hash + Eq + ?Sized>(&mut self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+    {
+        let Some((key, _)) = self.entries.get_key_value(key) else {
+            return false;
+        };
+        let key = key.clone();
+        self.clock += 1;
+        let clock = self.clock;
+        if let Some((stamp, _)) = self.entries.get_mut(&key) {
+            *stamp = clock;
+        }
+        self.order.push_back((clock, key));
+        self.compact();
+        true
+    }
+
+    /// Inserts or replaces `key` as the newest entry. Returns the replaced
+    /// value and the entries evicted to stay within capacity, oldest first
+    /// (an owner that counts what its entries hold must uncount them).
+    pub fn insert(&mut self, key: K, value: V) -> (Option<V>, Vec<(K, V)>) {
+        self.clock += 1;
+        let old = self.entries.insert(key.clone(), (self.clock, value)).map(|(_, v)| v);
+        self.order.push_back((self.clock, key));
+        let mut evicted = Vec::new();
+        while self.entries.len() > self.capacity {
+            match self.pop_oldest() {
+                Some(entry) => evicted.push(entry),
+                None => break,
+            }
+        }
+        self.compact();
+        (old, evicted)
+    }
+
+    /// The least recently used entry, without removing it.
+    pub fn oldest(&mut self) -> Option<(&K, &V)> {
         // Skip entries made stale by later touches or removals.
         while let Some((stamp, key)) = self.order.front() {
-            if self.stamp_of.get(key) == Some(stamp) {
+            if self.entries.get(key).is_some_and(|(s, _)| s == stamp) {
                 break;
             }
             self.order.pop_front();
         }
-        self.order.front().map(|(_, key)| key)
+        let (_, key) = self.order.front()?;
+        self.entries.get_key_value(key).map(|(k, (_, v))| (k, v))
     }
 
-    /// Removes and returns the least recently used key.
-    pub fn pop_oldest(&mut self) -> Option<K> {
+    /// Removes and returns the least recently used entry.
+    pub fn pop_oldest(&mut self) -> Option<(K, V)> {
         while let Some((stamp, key)) = self.order.pop_front() {
-            if self.stamp_of.get(&key) == Some(&stamp) {
-                self.stamp_of.remove(&key);
-                return Some(key);
+            if self.entries.get(&key).is_some_and(|(s, _)| *s == stamp) {
+                return self.entries.remove(&key).map(|(_, v)| (key, v));
             }
         }
         None
     }
 
-    pub fn remove(&mut self, key: &K) -> bool {
+    pub fn remove<Q: Hash + Eq + ?Sized>(&mut self, key: &Q) -> Option<V>
+    where
+        K: Borrow<Q>,
+    {
         // Its queue entries become stale and are skipped later.
-        self.stamp_of.remove(key).is_some()
+        self.entries.remove(key).map(|(_, v)| v)
     }
 
     pub fn clear(&mut self) {
-        self.stamp_of.clear();
+        self.entries.clear();
         self.order.clear();
+    }
+
+    /// Every entry, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
+        self.entries.iter().map(|(k, (_, v))| (k, v))
+    }
+
+    /// Every entry, in no particular order; the order of use is unchanged.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&K, &mut V)> {
+        self.entries.iter_mut().map(|(k, (_, v))| (k, v))
+    }
+
+    /// Drops stale queue entries once they outnumber the live ones, so the
+    /// queue stays within about twice the live set.
+    fn compact(&mut self) {
+        if self.order.len() > 2 * self.entries.len() + 64 {
+            let entries = &self.entries;
+            self.order
+                .retain(|(stamp, key)| entries.get(key).is_some_and(|(s, _)| s == stamp));
+        }
+    }
+}
+
+/// LRU set of `K` bounded by `capacity` entries.
+#[derive(Debug, Clone)]
+pub struct Lru<K> {
+    map: LruMap<K, ()>,
+}
+
+impl<K: Hash + Eq + Clone> Lru<K> {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            map: LruMap::new(capacity),
+        }
+    }
+
+    pub fn contains(&self, key: &K) -> bool {
+        self.map.contains_key(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.map.capacity()
+    }
+
+    /// Inserts `key` as the newest entry (or refreshes it); returns how many
+    /// old entries were evicted to make room.
+    pub fn touch(&mut self, key: K) -> usize {
+        self.map.insert(key, ()).1.len()
+    }
+
+    /// The least recently used key, without removing it.
+    pub fn oldest(&mut self) -> Option<&K> {
+        self.map.oldest().map(|(k, ())| k)
+    }
+
+    /// Removes and returns the least recently used key.
+    pub fn pop_oldest(&mut self) -> Option<K> {
+        self.map.pop_oldest().map(|(k, ())| k)
+    }
+
+    pub fn remove(&mut self, key: &K) -> bool {
+        self.map.remove(key).is_some()
+    }
+
+    pub fn clear(&mut self) {
+        self.map.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_touched_entry_outlives_older_ones_and_eviction_returns_the_oldest() {
+        let mut map = LruMap::new(2);
+        map.insert("a", 1);
+        map.insert("b", 2);
+        assert!(map.touch(&"a"));
+        let (old, evicted) = map.insert("c", 3);
+        assert_eq!((old, evicted), (None, vec![("b", 2)]));
+        assert_eq!(map.get(&"a"), Some(&1));
+        assert_eq!(map.oldest(), Some((&"a", &1)));
+        assert_eq!(map.insert("a", 4), (Some(1), vec![]));
+        assert_eq!(map.pop_oldest(), Some(("c", 3)));
+        assert_eq!(map.remove(&"a"), Some(4));
+        assert!(map.is_empty() && map.pop_oldest().is_none());
+    }
+
+    #[test]
+    fn the_touch_queue_stays_bounded() {
+        let mut lru = Lru::new(4);
+        for i in 0..10_000u64 {
+            lru.touch(i % 3);
+        }
+        assert_eq!(lru.len(), 3);
+        assert!(lru.map.order.len() <= 2 * 3 + 65);
     }
 }

@@ -4,6 +4,8 @@
 
 use hashbrown::HashMap;
 
+use crate::router::learning::{RATE_KEEP, RATE_LEARN};
+
 /// Learned bytes per token, for at most `capacity` models: a model taught
 /// when the table is full replaces the one taught least recently. A
 /// forgotten model falls back to the router's default until its outcomes
@@ -36,7 +38,7 @@ impl ModelRates {
     pub(crate) fn learn(&mut self, model: &str, observed: f64) {
         self.clock += 1;
         if let Some((rate, at)) = self.rates.get_mut(model) {
-            *rate = 0.8 * *rate + 0.2 * observed;
+            *rate = RATE_KEEP * *rate + RATE_LEARN * observed;
             *at = self.clock;
             return;
         }

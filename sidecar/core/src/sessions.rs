@@ -2,10 +2,8 @@
 //! last placed), with an idle TTL, and how many live sessions each worker
 //! hosts, which is the load a worker has promised to future calls.
 
-use hashbrown::HashMap;
-
 use crate::WorkerId;
-use crate::lru::Lru;
+use crate::lru::LruMap;
 
 #[derive(Debug, Clone)]
 struct Binding {
@@ -18,9 +16,8 @@ struct Binding {
 #[derive(Debug, Clone)]
 pub struct SessionTable {
     ttl_ms: u64,
-    bindings: HashMap<String, Binding>,
     /// Least recently seen first, to bound memory.
-    order: Lru<String>,
+    bindings: LruMap<String, Binding>,
     /// Live sessions per worker.
     hosted: Vec<u32>,
 }
@@ -29,8 +26,7 @@ impl SessionTable {
     pub fn new(max_sessions: usize, ttl_ms: u64) -> Self {
         Self {
             ttl_ms,
-            bindings: HashMap::new(),
-            order: Lru::new(max_sessions),
+            bindings: LruMap::new(max_sessions),
             hosted: Vec::new(),
         }
     }
@@ -84,33 +80,28 @@ impl SessionTable {
                     self.count(old, -1);
                     self.count(home, 1);
                 }
+                self.bindings.touch(session);
             }
             None => {
-                // At the bound: the least recently seen session goes first.
-                if self.bindings.len() >= self.order.capacity()
-                    && let Some(oldest) = self.order.pop_oldest()
-                {
-                    self.end(&oldest);
+                let binding = Binding {
+                    home,
+                    last_seen_ms: now_ms,
+                    parent: parent.filter(|p| !p.is_empty()).map(str::to_owned),
+                };
+                // At the bound, the least recently seen session goes first.
+                let (_, evicted) = self.bindings.insert(session.to_owned(), binding);
+                for (_, gone) in evicted {
+                    self.count(gone.home, -1);
                 }
-                self.bindings.insert(
-                    session.to_owned(),
-                    Binding {
-                        home,
-                        last_seen_ms: now_ms,
-                        parent: parent.filter(|p| !p.is_empty()).map(str::to_owned),
-                    },
-                );
                 self.count(home, 1);
             }
         }
-        self.order.touch(session.to_owned());
     }
 
     /// The session ended (`x-dynamo-session-final`) or went idle.
     pub fn end(&mut self, session: &str) {
         if let Some(b) = self.bindings.remove(session) {
             self.count(b.home, -1);
-            self.order.remove(&session.to_owned());
         }
     }
 

@@ -14,7 +14,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::path::PathBuf;
 
 use anyhow::bail;
-use kvmesh_core::{Call, FleetView, InsightConfig, Insights, Placed, Totals, WorkerId};
+use kvmesh_core::{Call, Cost, Decision, Holdings, InsightConfig, Insights, Totals, WorkerId};
 use kvmesh_request::FilterConfig;
 use kvmesh_sim::engine::{Engine, EngineConfig};
 use kvmesh_sim::timing::TimingModel;
@@ -91,21 +91,20 @@ const BLOCK_BYTES: f64 = 256.0;
 struct SimFleet<'a> {
     world: &'a World,
     now: f64,
-    /// Each worker's true cached prefix of the current request, in blocks.
-    overlaps: Vec<usize>,
     /// A session's last full block → that request, to ask the engine
     /// whether its prefix is still cached.
     last_blocks: &'a HashMap<u64, usize>,
     prepared: &'a [Prepared],
 }
 
-impl FleetView for SimFleet<'_> {
-    fn pickable(&self, _: WorkerId) -> bool {
-        true
-    }
-
-    fn overlap(&self, worker: WorkerId) -> usize {
-        self.overlaps.get(worker.0).copied().unwrap_or(0)
+impl SimFleet<'_> {
+    /// The ledger's questions, answered by the engines.
+    fn holdings(&self, probes: &[(WorkerId, u64)]) -> Holdings {
+        Holdings::new(
+            probes
+                .iter()
+                .map(|&(worker, block)| ((worker, block), self.holds(worker, block))),
+        )
     }
 
     fn holds(&self, worker: WorkerId, block: u64) -> bool {
@@ -168,28 +167,30 @@ fn run_policy(
         let fleet = SimFleet {
             world: &world,
             now,
-            overlaps,
             last_blocks: &last_blocks,
             prepared,
         };
         let input = r.pick_input(now as u64);
-        insights.on_pick(
-            &Call {
-                pick_id: r.index as u64,
-                input,
-                harness: "other",
-                tenant: "",
-                sections: &r.sections,
-                bytes_per_token: ENGINE_BYTES_PER_TOKEN,
-            },
-            &Placed {
-                worker: Some(WorkerId(w)),
-                predicted_blocks: fleet.overlap(WorkerId(w)),
-                reachable_blocks: fleet.overlaps.iter().copied().max().unwrap_or(0),
-                prefill_tokens_per_ms: timing.prefill_tokens_per_ms,
-            },
-            &fleet,
-        );
+        let call = Call {
+            input,
+            harness: "other",
+            tenant: "",
+            sections: &r.sections,
+        };
+        let holdings = fleet.holdings(insights.probe(&call).as_slice());
+        // The record of the pick as the engines' truth has it.
+        let record = Decision {
+            pick_id: r.index as u64,
+            ranked: vec![WorkerId(w)],
+            predicted_cached_blocks: u32::try_from(overlaps.get(w).copied().unwrap_or(0)).unwrap_or(u32::MAX),
+            best_overlap: u32::try_from(overlaps.iter().copied().max().unwrap_or(0)).unwrap_or(u32::MAX),
+            costs: vec![Some(Cost::default()); options.workers],
+            overlaps,
+            bytes_per_token: ENGINE_BYTES_PER_TOKEN,
+            prefill_tokens_per_ms: timing.prefill_tokens_per_ms,
+            ..Decision::default()
+        };
+        insights.on_pick(&call, &record, &holdings);
         if let Some(&last) = input.full_blocks().last() {
             last_blocks.insert(last, r.index);
         }
@@ -233,22 +234,20 @@ fn run_policy(
         c.report_to(&mut insights, prepared);
     }
     let end_ms = served.iter().map(|s| s.end_ms).fold(0.0, f64::max);
-    insights.tick(
-        end_ms as u64,
-        &SimFleet {
-            world: &world,
-            now: end_ms,
-            overlaps: Vec::new(),
-            last_blocks: &last_blocks,
-            prepared,
-        },
-    );
+    let fleet = SimFleet {
+        world: &world,
+        now: end_ms,
+        last_blocks: &last_blocks,
+        prepared,
+    };
+    insights.tick(end_ms as u64, &fleet.holdings(&insights.idle_probes()));
     let mut all = Totals::default();
     for (_, t) in insights.totals() {
         all.add(t);
     }
     let figures: serde_json::Map<String, serde_json::Value> = all
         .figures()
+        .named()
         .into_iter()
         .map(|(name, value)| (name.to_owned(), json!(value)))
         .collect();

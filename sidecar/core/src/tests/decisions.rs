@@ -376,3 +376,30 @@ fn a_sessions_next_call_releases_its_previous_one_exactly_once() {
     assert_eq!(r.workers()[0].in_flight, 0);
     assert_eq!(r.workers()[0].active_kv_tokens, 0.0);
 }
+
+#[test]
+fn a_decision_records_what_the_choice_saw_term_by_term() {
+    let mut r = router(3);
+    let first = pick(&mut r, &blocks(1, 40), "a");
+    done(&mut r, &first);
+    let home = first.ranked[0];
+    let drained = WorkerId((home.0 + 1) % 3);
+    r.drain(drained);
+    let next = pick(&mut r, &blocks(1, 44), "a");
+    // Every worker has its overlap; a drained one has no cost.
+    assert_eq!(next.overlaps.len(), 3);
+    assert_eq!(next.overlap(home), 40);
+    assert_eq!(next.costs.len(), 3);
+    assert!(!next.pickable(drained) && next.costs[drained.0].is_none());
+    assert!(next.pickable(home));
+    assert_eq!(next.home, Some(home));
+    // The chosen worker's cost is its entry, its total the sum of its terms,
+    // and at home the hysteresis term is a quarter of the request.
+    assert_eq!(Some(next.cost), next.costs[home.0]);
+    let c = next.cost;
+    let sum = c.queue + c.prefill + c.decode + c.sessions + c.recent + c.eviction - c.hysteresis;
+    assert!((c.total - sum).abs() < 1e-9, "{c:?}");
+    assert!((c.hysteresis - 0.25 * next.request_tokens).abs() < 1e-9, "{c:?}");
+    assert_eq!(c.sessions, 0.0, "a continuing session weighs no sessions");
+    assert_eq!(next.bytes_per_token, 4.0);
+}

@@ -30,19 +30,16 @@ fn a_pick_claiming_u64_max_bytes_queues_no_more_than_the_largest_prompt() {
             now_ms: n,
             ..PickInput::default()
         };
+        let call = Call {
+            input,
+            harness: "other",
+            tenant: "",
+            sections: &[],
+        };
+        let probe = insights.probe(&call);
         let d = r.pick(input);
-        insights.on_pick(
-            &Call {
-                pick_id: d.pick_id,
-                input,
-                harness: "other",
-                tenant: "",
-                sections: &[],
-                bytes_per_token: r.bytes_per_token("m"),
-            },
-            &r.placed(&d),
-            &r,
-        );
+        let holdings = r.holdings(probe.as_slice());
+        insights.on_pick(&call, &d, &holdings);
     }
     for w in r.workers() {
         assert!(w.queued_prefill_tokens <= 3.0 * MAX_PROMPT_TOKENS as f64, "{w:?}");
@@ -121,7 +118,6 @@ fn learned_models_stay_within_max_models() {
 
 #[test]
 fn session_traces_stay_within_their_byte_budget() {
-    let r = router();
     let mut insights = Insights::new(InsightConfig {
         trace_budget_bytes: 4 << 20,
         ..InsightConfig::default()
@@ -132,7 +128,6 @@ fn session_traces_stay_within_their_byte_budget() {
         let session = format!("s{i}");
         insights.on_pick(
             &Call {
-                pick_id: i + 1,
                 input: PickInput {
                     block_hashes: &blocks,
                     block_bytes: 256,
@@ -145,15 +140,14 @@ fn session_traces_stay_within_their_byte_budget() {
                 harness: "other",
                 tenant: "",
                 sections: &[],
+            },
+            &Decision {
+                pick_id: i + 1,
                 bytes_per_token: 4.0,
-            },
-            &Placed {
-                worker: None,
-                predicted_blocks: 0,
-                reachable_blocks: 0,
                 prefill_tokens_per_ms: 10.0,
+                ..Decision::default()
             },
-            &r,
+            &Holdings::default(),
         );
         assert!(insights.trace_memory_bytes() <= 4 << 20);
     }

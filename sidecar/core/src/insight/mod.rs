@@ -5,9 +5,22 @@
 //! worker and why not, where a session's prefix broke, and what keeping idle
 //! sessions warm costs in KV memory against the prefill it saves.
 //!
-//! Pure like the router: time comes in as `now_ms`, the fleet is read
-//! through [`FleetView`], and nothing here ever holds prompt text (sections
-//! are kinds, positions and 32-bit digests).
+//! A consumer downstream of the router: it reads each pick's record (a
+//! [`Decision`]) and, for whether a worker still holds a session's prefix,
+//! [`Holdings`] values the driver took under a short router lock. It never
+//! touches the router, so the sidecar runs it after the router's lock is
+//! released, and the benchmark feeds it its engines' truth instead. Pure
+//! like the router: time comes in as `now_ms`, and nothing here ever holds
+//! prompt text (sections are kinds, positions and 32-bit digests).
+//!
+//! Its per-session state (`Trace`) is a second session table beside the
+//! router's `SessionTable`, on purpose: it is keyed by session *and model*
+//! (a harness's side calls on another model must not read as breaks of the
+//! main conversation), holds the last call's blocks and sections (which
+//! routing never needs), follows in-flight calls and idle time (which
+//! routing does not), and is fed the fleet's truth in the benchmark, where
+//! the router's table would be one policy's belief. Sharing one table would
+//! put the ledger back under the router's lock.
 
 use std::collections::VecDeque;
 
@@ -15,8 +28,12 @@ use hashbrown::HashMap;
 
 use kvmesh_vocab::limits::MAX_PROMPT_TOKENS;
 
-use crate::lru::Lru;
-use crate::{PickInput, WorkerId};
+mod totals;
+
+use crate::lru::LruMap;
+use crate::{Decision, Holdings, PickInput, WorkerId};
+
+pub use totals::{Figure, Figures, Totals};
 
 /// The agent harnesses kvmesh tells apart; anything else is `other`. A
 /// closed set, so that it can label metrics.
@@ -140,168 +157,15 @@ impl Default for InsightConfig {
     }
 }
 
-/// What the ledger reads of the fleet.
-pub trait FleetView {
-    /// The worker may take requests.
-    fn pickable(&self, worker: WorkerId) -> bool;
-    /// Leading blocks of the request just picked that the worker holds.
-    fn overlap(&self, worker: WorkerId) -> usize;
-    /// The worker still holds this block.
-    fn holds(&self, worker: WorkerId, block: u64) -> bool;
-}
-
-/// One call, as the filter described it.
+/// One call, as the filter described it (the router's record of it is a
+/// separate [`Decision`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Call<'a> {
-    pub pick_id: u64,
     /// The request as the router saw it: session, model, blocks, sizes, time.
     pub input: PickInput<'a>,
     pub harness: &'a str,
     pub tenant: &'a str,
     pub sections: &'a [PromptSection],
-    pub bytes_per_token: f64,
-}
-
-/// Where the router put it.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Placed {
-    pub worker: Option<WorkerId>,
-    /// Leading blocks the chosen worker holds.
-    pub predicted_blocks: usize,
-    /// Leading blocks the best worker holds.
-    pub reachable_blocks: usize,
-    /// The chosen worker's prefill throughput, tokens per ms.
-    pub prefill_tokens_per_ms: f64,
-}
-
-/// Sums over calls; tokens are estimates from bytes unless named reported.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Totals {
-    pub calls: u64,
-    /// Canonical prompt bytes, and the leading ones that repeat an earlier
-    /// call: the repeated-prefix share is their ratio (exact, whatever the
-    /// tokenizer; tokens below are estimates from these bytes).
-    pub prompt_bytes: u64,
-    pub repeated_prefix_bytes: u64,
-    /// Prompt tokens of every call (bytes ÷ the model's bytes per token).
-    pub prompt_tokens: f64,
-    /// Leading tokens an earlier call already sent: the session's previous
-    /// call, or any call whose blocks a worker holds.
-    pub repeated_prefix_tokens: f64,
-    pub predicted_cached_tokens: f64,
-    /// Cached on the best worker for the call: what routing could reach.
-    pub reachable_cached_tokens: f64,
-    /// Calls of a session that had a previous call on a known worker.
-    pub continuing_calls: u64,
-    pub same_worker_calls: u64,
-    /// Continuing calls that moved, by [`MoveReason::ALL`] order.
-    pub moves: [u64; MoveReason::ALL.len()],
-    /// Continuing calls compared with their previous call's prefix.
-    pub prefix_checks: u64,
-    /// Those whose prefix broke, by [`SectionKind::ALL`] order.
-    pub prefix_breaks: [u64; SectionKind::ALL.len()],
-    pub outcomes: u64,
-    /// Outcomes that reported usage.
-    pub reported_calls: u64,
-    pub reported_prompt_tokens: f64,
-    /// Read from the cache.
-    pub reported_cached_tokens: f64,
-    /// Computed and written to the cache (prompt − cached).
-    pub written_tokens: f64,
-    /// GPU time the cached tokens saved, at the worker's prefill rate.
-    pub prefill_saved_ms: f64,
-    /// GPU time spent on the written tokens.
-    pub prefill_computed_ms: f64,
-    /// KV bytes held by idle sessions × the time they were idle.
-    pub idle_kv_byte_ms: f64,
-}
-
-impl Totals {
-    /// Adds another label's or bucket's sums to these.
-    pub fn add(&mut self, other: &Totals) {
-        self.calls += other.calls;
-        self.prompt_bytes = self.prompt_bytes.saturating_add(other.prompt_bytes);
-        self.repeated_prefix_bytes = self.repeated_prefix_bytes.saturating_add(other.repeated_prefix_bytes);
-        self.prompt_tokens += other.prompt_tokens;
-        self.repeated_prefix_tokens += other.repeated_prefix_tokens;
-        self.predicted_cached_tokens += other.predicted_cached_tokens;
-        self.reachable_cached_tokens += other.reachable_cached_tokens;
-        self.continuing_calls += other.continuing_calls;
-        self.same_worker_calls += other.same_worker_calls;
-        for (a, b) in self.moves.iter_mut().zip(other.moves) {
-            *a += b;
-        }
-        self.prefix_checks += other.prefix_checks;
-        for (a, b) in self.prefix_breaks.iter_mut().zip(other.prefix_breaks) {
-            *a += b;
-        }
-        self.outcomes += other.outcomes;
-        self.reported_calls += other.reported_calls;
-        self.reported_prompt_tokens += other.reported_prompt_tokens;
-        self.reported_cached_tokens += other.reported_cached_tokens;
-        self.written_tokens += other.written_tokens;
-        self.prefill_saved_ms += other.prefill_saved_ms;
-        self.prefill_computed_ms += other.prefill_computed_ms;
-        self.idle_kv_byte_ms += other.idle_kv_byte_ms;
-    }
-
-    /// Share of the prompt that repeats an earlier prefix.
-    pub fn repeated_prefix_share(&self) -> f64 {
-        ratio(self.repeated_prefix_bytes as f64, self.prompt_bytes as f64)
-    }
-
-    /// Share of a session's continuing calls that reached the same worker.
-    pub fn same_worker_rate(&self) -> f64 {
-        ratio(self.same_worker_calls as f64, self.continuing_calls as f64)
-    }
-
-    /// Tokens read from the cache per token written to it.
-    pub fn read_write_ratio(&self) -> f64 {
-        ratio(self.reported_cached_tokens, self.written_tokens)
-    }
-
-    /// Moves by reason, named as in metric labels and reports.
-    pub fn moves_by_reason(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
-        MoveReason::ALL.iter().map(|r| (r.as_str(), self.moves[*r as usize]))
-    }
-
-    /// Prefix breaks by the section where they broke, named likewise.
-    pub fn breaks_by_section(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
-        SectionKind::ALL
-            .iter()
-            .map(|s| (s.as_str(), self.prefix_breaks[*s as usize]))
-    }
-
-    /// The headline figures by name, as the sidecar's report and the
-    /// benchmark both print them, so a simulation and a live deployment
-    /// read the same way.
-    pub fn figures(&self) -> Vec<(&'static str, f64)> {
-        vec![
-            ("calls", self.calls as f64),
-            ("prompt_bytes", self.prompt_bytes as f64),
-            ("repeated_prefix_bytes", self.repeated_prefix_bytes as f64),
-            ("repeated_prefix_share", self.repeated_prefix_share()),
-            ("prompt_tokens", self.prompt_tokens.round()),
-            ("predicted_cached_tokens", self.predicted_cached_tokens.round()),
-            ("reachable_cached_tokens", self.reachable_cached_tokens.round()),
-            ("reported_calls", self.reported_calls as f64),
-            ("reported_prompt_tokens", self.reported_prompt_tokens),
-            ("cache_read_tokens", self.reported_cached_tokens),
-            ("cache_written_tokens", self.written_tokens),
-            ("read_write_ratio", self.read_write_ratio()),
-            ("continuing_calls", self.continuing_calls as f64),
-            ("same_worker_calls", self.same_worker_calls as f64),
-            ("same_worker_rate", self.same_worker_rate()),
-            ("prefix_checks", self.prefix_checks as f64),
-            ("gpu_seconds_saved", self.prefill_saved_ms / 1000.0),
-            ("gpu_seconds_computed", self.prefill_computed_ms / 1000.0),
-            ("idle_kv_byte_seconds", self.idle_kv_byte_ms / 1000.0),
-        ]
-    }
-}
-
-fn ratio(a: f64, b: f64) -> f64 {
-    if b > 0.0 { a / b } else { 0.0 }
 }
 
 /// Index of a (harness, tenant) label pair.
@@ -426,12 +290,12 @@ pub struct Insights {
     tenant_ids: HashMap<String, u16>,
     totals: HashMap<LabelId, Totals>,
     breaks: HashMap<BreakPoint, BreakStats>,
-    traces: HashMap<String, Trace>,
-    trace_order: Lru<String>,
+    /// Each session's last call, least recently seen first.
+    traces: LruMap<String, Trace>,
     /// What `traces` holds, as `trace_bytes` counts it.
     trace_bytes: usize,
-    pending: HashMap<u64, PendingCall>,
-    pending_order: Lru<u64>,
+    /// Calls awaiting their outcome, oldest first.
+    pending: LruMap<u64, PendingCall>,
     buckets: VecDeque<Bucket>,
     retention: [Retention; HARNESSES.len()],
 }
@@ -449,15 +313,13 @@ fn trace_key(routing_key: &str, model: &str) -> String {
 impl Insights {
     pub fn new(config: InsightConfig) -> Self {
         Self {
-            trace_order: Lru::new(config.max_sessions.max(1)),
-            pending_order: Lru::new(config.max_pending.max(1)),
+            traces: LruMap::new(config.max_sessions.max(1)),
+            pending: LruMap::new(config.max_pending.max(1)),
             tenants: vec![NO_TENANT.to_owned(), OTHER_TENANT.to_owned()],
             tenant_ids: HashMap::new(),
             totals: HashMap::new(),
             breaks: HashMap::new(),
-            traces: HashMap::new(),
             trace_bytes: 0,
-            pending: HashMap::new(),
             buckets: VecDeque::new(),
             retention: [Retention::default(); HARNESSES.len()],
             config,
@@ -521,14 +383,43 @@ impl Insights {
         &mut self.buckets[last]
     }
 
-    /// Records a picked call.
-    pub fn on_pick(&mut self, call: &Call<'_>, placed: &Placed, fleet: &impl FleetView) {
+    /// The one fact about the fleet that [`Insights::on_pick`] needs for
+    /// `call` and its record cannot give: whether the worker of the
+    /// session's previous call still holds that call's last block (its idle
+    /// time is charged only then). Ask before the pick, answer with
+    /// [`crate::Router::holdings`] after it, under the same lock.
+    pub fn probe(&self, call: &Call<'_>) -> Option<(WorkerId, u64)> {
+        if call.input.routing_key().is_empty() {
+            return None;
+        }
+        let trace = self
+            .traces
+            .get(&trace_key(call.input.routing_key(), call.input.model))?;
+        probe_of(trace)
+    }
+
+    /// What [`Insights::tick`] and [`Insights::idle_sessions`] ask of the
+    /// fleet: each idle session's worker and last block.
+    pub fn idle_probes(&self) -> Vec<(WorkerId, u64)> {
+        self.traces
+            .iter()
+            .filter(|(_, t)| t.idle_since_ms.is_some())
+            .filter_map(|(_, t)| probe_of(t))
+            .collect()
+    }
+
+    /// Records a picked call from the router's record of it; `holdings`
+    /// answers [`Insights::probe`] for this call.
+    pub fn on_pick(&mut self, call: &Call<'_>, decision: &Decision, holdings: &Holdings) {
         let label = LabelId {
             harness: Self::harness_id(call.harness),
             tenant: self.tenant_id(call.tenant),
         };
-        let bytes_per_token = if call.bytes_per_token > 0.0 {
-            call.bytes_per_token
+        let placed_worker = decision.chosen();
+        let predicted_blocks = decision.predicted_cached_blocks as usize;
+        let reachable_blocks = decision.best_overlap as usize;
+        let bytes_per_token = if decision.bytes_per_token > 0.0 {
+            decision.bytes_per_token
         } else {
             4.0
         };
@@ -542,7 +433,7 @@ impl Insights {
         let previous = if call.input.routing_key().is_empty() {
             None
         } else {
-            self.accrue_idle(&key, now, fleet);
+            self.accrue_idle(&key, now, holdings);
             self.traces.get(&key)
         };
         let common = previous.map_or(0, |p| common_prefix(&p.blocks, call.input.full_blocks()));
@@ -550,16 +441,16 @@ impl Insights {
         let mut same = false;
         let mut broke = None;
         if let Some(prev) = previous {
-            if let (Some(old), Some(new)) = (prev.worker, placed.worker) {
+            if let (Some(old), Some(new)) = (prev.worker, placed_worker) {
                 same = old == new;
                 if !same {
-                    let reason = if !fleet.pickable(old) {
+                    let reason = if !decision.pickable(old) {
                         MoveReason::WorkerGone
                     } else if common == 0 {
                         MoveReason::PrefixChange
-                    } else if fleet.overlap(old) < common {
+                    } else if decision.overlap(old) < common {
                         MoveReason::Eviction
-                    } else if placed.predicted_blocks < fleet.overlap(old) {
+                    } else if predicted_blocks < decision.overlap(old) {
                         MoveReason::Load
                     } else {
                         MoveReason::Other
@@ -571,9 +462,9 @@ impl Insights {
                 broke = Some((common, break_section(prev, call, common)));
             }
         }
-        let continuing = previous.is_some_and(|p| p.worker.is_some()) && placed.worker.is_some();
+        let continuing = previous.is_some_and(|p| p.worker.is_some()) && placed_worker.is_some();
         let checked = previous.is_some_and(|p| !p.blocks.is_empty());
-        let repeated = common.max(placed.reachable_blocks);
+        let repeated = common.max(reachable_blocks);
         let repeated_bytes = (repeated as u64)
             .saturating_mul(u64::from(call.input.block_bytes()))
             .min(call.input.prompt_bytes);
@@ -584,8 +475,8 @@ impl Insights {
             t.repeated_prefix_bytes = t.repeated_prefix_bytes.saturating_add(repeated_bytes);
             t.prompt_tokens += prompt_tokens;
             t.repeated_prefix_tokens += tokens(repeated);
-            t.predicted_cached_tokens += tokens(placed.predicted_blocks);
-            t.reachable_cached_tokens += tokens(placed.reachable_blocks);
+            t.predicted_cached_tokens += tokens(predicted_blocks);
+            t.reachable_cached_tokens += tokens(reachable_blocks);
             if continuing {
                 t.continuing_calls += 1;
                 t.same_worker_calls += u64::from(same);
@@ -611,20 +502,15 @@ impl Insights {
             record_break(&mut self.bucket(now).breaks, point, block as u64, limit);
         }
 
-        // Its outcome is counted whether or not it belongs to a session.
-        if self.pending.len() >= self.pending_order.capacity()
-            && let Some(oldest) = self.pending_order.pop_oldest()
-        {
-            self.pending.remove(&oldest);
-        }
-        self.pending_order.touch(call.pick_id);
+        // Its outcome is counted whether or not it belongs to a session; at
+        // the bound the oldest call's outcome is given up.
         self.pending.insert(
-            call.pick_id,
+            decision.pick_id,
             PendingCall {
                 label,
                 trace_key: key.clone(),
-                prefill_tokens_per_ms: placed.prefill_tokens_per_ms,
-                worker: placed.worker,
+                prefill_tokens_per_ms: decision.prefill_tokens_per_ms,
+                worker: placed_worker,
             },
         );
         if call.input.routing_key().is_empty() {
@@ -633,40 +519,36 @@ impl Insights {
         // This call is now the session's trace.
         let trace = Trace {
             label,
-            worker: placed.worker,
+            worker: placed_worker,
             blocks: call.input.full_blocks().to_vec(),
             sections: call.sections.to_vec(),
             held_tokens: tokens(call.input.full_blocks().len()),
-            prefill_tokens_per_ms: placed.prefill_tokens_per_ms,
+            prefill_tokens_per_ms: decision.prefill_tokens_per_ms,
             in_flight: self.traces.get(&key).map_or(0, |t| t.in_flight).saturating_add(1),
             idle_since_ms: None,
             accrued_to_ms: now,
             last_seen_ms: now,
         };
-        if !self.traces.contains_key(&key)
-            && self.traces.len() >= self.trace_order.capacity()
-            && let Some(oldest) = self.trace_order.pop_oldest()
-        {
-            self.forget_trace(&oldest);
-        }
-        self.trace_order.touch(key.clone());
         self.trace_bytes += trace_bytes(&key, &trace);
-        if let Some(old) = self.traces.insert(key.clone(), trace) {
+        // At the session bound the least recently seen trace goes.
+        let (replaced, evicted) = self.traces.insert(key.clone(), trace);
+        if let Some(old) = replaced {
             self.trace_bytes = self.trace_bytes.saturating_sub(trace_bytes(&key, &old));
+        }
+        for (gone_key, gone) in evicted {
+            self.uncount_trace(&gone_key, &gone);
         }
         // The newest trace is popped last: alone it is far under the budget.
         while self.trace_bytes > self.config.trace_budget_bytes
-            && let Some(oldest) = self.trace_order.pop_oldest()
+            && let Some((gone_key, gone)) = self.traces.pop_oldest()
         {
-            self.forget_trace(&oldest);
+            self.uncount_trace(&gone_key, &gone);
         }
     }
 
-    /// Drops a trace (its key is already out of `trace_order`).
-    fn forget_trace(&mut self, key: &str) {
-        if let Some(old) = self.traces.remove(key) {
-            self.trace_bytes = self.trace_bytes.saturating_sub(trace_bytes(key, &old));
-        }
+    /// Takes a dropped trace off the byte count.
+    fn uncount_trace(&mut self, key: &str, trace: &Trace) {
+        self.trace_bytes = self.trace_bytes.saturating_sub(trace_bytes(key, trace));
     }
 
     /// Heap bytes the traces hold.
@@ -687,7 +569,6 @@ impl Insights {
         let Some(call) = self.pending.remove(&pick_id) else {
             return;
         };
-        self.pending_order.remove(&pick_id);
         let rate = if call.prefill_tokens_per_ms > 0.0 {
             call.prefill_tokens_per_ms
         } else {
@@ -726,10 +607,10 @@ impl Insights {
     }
 
     /// Charges a session's idle KV memory up to `now_ms`.
-    fn accrue_idle(&mut self, key: &str, now_ms: u64, fleet: &impl FleetView) {
+    fn accrue_idle(&mut self, key: &str, now_ms: u64, holdings: &Holdings) {
         let kv_bytes_per_token = self.config.kv_bytes_per_token;
         let Some(trace) = self.traces.get_mut(key) else { return };
-        let Some(cost) = idle_cost(trace, now_ms, kv_bytes_per_token, fleet) else {
+        let Some(cost) = idle_cost(trace, now_ms, kv_bytes_per_token, holdings) else {
             return;
         };
         let label = trace.label;
@@ -737,21 +618,23 @@ impl Insights {
     }
 
     /// Charges every idle session's KV memory up to `now_ms`, ends sessions
-    /// idle past the TTL, and refreshes the retention gauges.
-    pub fn tick(&mut self, now_ms: u64, fleet: &impl FleetView) {
+    /// idle past the TTL, and refreshes the retention gauges. `holdings`
+    /// answers [`Insights::idle_probes`]; a session that went idle after
+    /// they were taken is charged at the next tick.
+    pub fn tick(&mut self, now_ms: u64, holdings: &Holdings) {
         let kv_bytes_per_token = self.config.kv_bytes_per_token;
         let ttl = self.config.session_ttl_ms;
         let mut retention = [Retention::default(); HARNESSES.len()];
         let mut charges: Vec<(LabelId, f64)> = Vec::new();
         let mut ended = Vec::new();
-        for (key, trace) in &mut self.traces {
+        for (key, trace) in self.traces.iter_mut() {
             let expired = now_ms.saturating_sub(trace.last_seen_ms) > ttl;
             let until = if expired {
                 trace.last_seen_ms.saturating_add(ttl).max(trace.accrued_to_ms)
             } else {
                 now_ms
             };
-            if let Some(cost) = idle_cost(trace, until, kv_bytes_per_token, fleet) {
+            if let Some(cost) = idle_cost(trace, until, kv_bytes_per_token, holdings) {
                 charges.push((trace.label, cost));
             }
             if expired {
@@ -759,7 +642,7 @@ impl Insights {
                 continue;
             }
             if let Some(since) = trace.idle_since_ms
-                && held(trace, fleet)
+                && held(trace, holdings) == Some(true)
             {
                 let r = &mut retention[usize::from(trace.label.harness).min(HARNESSES.len() - 1)];
                 r.idle_sessions += 1;
@@ -772,22 +655,24 @@ impl Insights {
             self.count(label, now_ms, |t| t.idle_kv_byte_ms += cost);
         }
         for key in ended {
-            self.forget_trace(&key);
-            self.trace_order.remove(&key);
+            if let Some(gone) = self.traces.remove(&key) {
+                self.uncount_trace(&key, &gone);
+            }
         }
         self.retention = retention;
     }
 
     /// Each idle session whose prefix its worker still holds, largest first:
     /// (session, model, harness, worker, KV bytes, idle ms, recompute ms).
-    pub fn idle_sessions(&self, now_ms: u64, fleet: &impl FleetView) -> Vec<IdleSession> {
+    /// `holdings` answers [`Insights::idle_probes`].
+    pub fn idle_sessions(&self, now_ms: u64, holdings: &Holdings) -> Vec<IdleSession> {
         let mut idle: Vec<IdleSession> = self
             .traces
             .iter()
             .filter_map(|(key, t)| {
                 let since = t.idle_since_ms?;
                 let worker = t.worker?;
-                if !held(t, fleet) {
+                if held(t, holdings) != Some(true) {
                     return None;
                 }
                 let (session, model) = key.split_once('\u{0}').unwrap_or((key.as_str(), ""));
@@ -884,24 +769,34 @@ fn trace_bytes(key: &str, trace: &Trace) -> usize {
         + std::mem::size_of::<Trace>()
 }
 
-fn held(trace: &Trace, fleet: &impl FleetView) -> bool {
-    match (trace.worker, trace.blocks.last()) {
-        (Some(worker), Some(&last)) => fleet.pickable(worker) && fleet.holds(worker, last),
-        _ => false,
+/// The (worker, block) whose hold says the trace's prefix is still cached.
+fn probe_of(trace: &Trace) -> Option<(WorkerId, u64)> {
+    Some((trace.worker?, *trace.blocks.last()?))
+}
+
+/// Whether the trace's worker still holds its prefix: `None` when
+/// `holdings` was taken without asking (then nothing is decided on it).
+fn held(trace: &Trace, holdings: &Holdings) -> Option<bool> {
+    match probe_of(trace) {
+        Some((worker, last)) => holdings.holds(worker, last),
+        None => Some(false),
     }
 }
 
 /// KV byte-milliseconds an idle session held since its last charge; moves
 /// the charge mark to `until`.
-fn idle_cost(trace: &mut Trace, until: u64, kv_bytes_per_token: f64, fleet: &impl FleetView) -> Option<f64> {
+fn idle_cost(trace: &mut Trace, until: u64, kv_bytes_per_token: f64, holdings: &Holdings) -> Option<f64> {
     trace.idle_since_ms?;
     let from = trace.accrued_to_ms;
     if until <= from {
         return None;
     }
+    // Unknown (a session that went idle after the holdings were taken):
+    // leave its charge mark, so the next look charges the whole stretch.
+    let held = held(trace, holdings)?;
     trace.accrued_to_ms = until;
     // Evicted blocks cost nothing: the session's next call pays for them.
-    held(trace, fleet).then(|| trace.held_tokens * kv_bytes_per_token * (until - from) as f64)
+    held.then(|| trace.held_tokens * kv_bytes_per_token * (until - from) as f64)
 }
 
 fn common_prefix(a: &[u64], b: &[u64]) -> usize {
@@ -966,331 +861,4 @@ fn record_break(breaks: &mut HashMap<BreakPoint, BreakStats>, point: BreakPoint,
         .entry(point)
         .or_insert_with(|| BreakStats::new(block))
         .see(block, 1);
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used, clippy::float_cmp)]
-
-    use super::*;
-
-    /// A fleet as a test states it.
-    #[derive(Default)]
-    struct Fleet {
-        gone: Vec<WorkerId>,
-        overlaps: Vec<usize>,
-        evicted: bool,
-    }
-
-    impl FleetView for Fleet {
-        fn pickable(&self, worker: WorkerId) -> bool {
-            !self.gone.contains(&worker)
-        }
-        fn overlap(&self, worker: WorkerId) -> usize {
-            self.overlaps.get(worker.0).copied().unwrap_or(0)
-        }
-        fn holds(&self, _: WorkerId, _: u64) -> bool {
-            !self.evicted
-        }
-    }
-
-    fn section(kind: SectionKind, index: u32, start: u64, digest: u32) -> PromptSection {
-        PromptSection {
-            kind,
-            index,
-            start,
-            digest,
-        }
-    }
-
-    /// 100-byte blocks at 4 bytes per token: 25 tokens a block.
-    fn call<'a>(
-        pick_id: u64,
-        key: &'a str,
-        harness: &'a str,
-        blocks: &'a [u64],
-        sections: &'a [PromptSection],
-        prompt_bytes: u64,
-        now_ms: u64,
-    ) -> Call<'a> {
-        Call {
-            pick_id,
-            input: PickInput {
-                block_hashes: blocks,
-                block_bytes: 100,
-                prompt_bytes,
-                session_id: key,
-                model: "m",
-                now_ms,
-                ..PickInput::default()
-            },
-            harness,
-            tenant: harness,
-            sections,
-            bytes_per_token: 4.0,
-        }
-    }
-
-    fn placed(worker: usize, predicted: usize, reachable: usize) -> Placed {
-        Placed {
-            worker: Some(WorkerId(worker)),
-            predicted_blocks: predicted,
-            reachable_blocks: reachable,
-            prefill_tokens_per_ms: 10.0,
-        }
-    }
-
-    fn totals_of(insights: &Insights, harness: &str) -> Totals {
-        let id = Insights::harness_id(harness);
-        insights
-            .totals()
-            .filter(|(l, _)| l.harness == id)
-            .fold(Totals::default(), |mut acc, (_, t)| {
-                acc.add(t);
-                acc
-            })
-    }
-
-    #[test]
-    fn a_scripted_workload_gives_the_hand_computed_figures() {
-        let config = InsightConfig {
-            kv_bytes_per_token: 1000.0,
-            ..InsightConfig::default()
-        };
-        let mut insights = Insights::new(config);
-        let fleet = Fleet::default();
-        let s1 = [
-            section(SectionKind::Tools, 0, 0, 1),
-            section(SectionKind::System, 0, 200, 2),
-            section(SectionKind::Message, 1, 300, 3),
-        ];
-        let mut s2 = s1.to_vec();
-        s2.push(section(SectionKind::Message, 2, 450, 4));
-
-        // Clean appends: 450 then 650 bytes (112.5 + 162.5 tokens).
-        insights.on_pick(
-            &call(1, "a", "claude_code", &[1, 2, 3, 4], &s1, 450, 0),
-            &placed(0, 0, 0),
-            &fleet,
-        );
-        insights.on_outcome(1, Some(110), Some(0), Some(WorkerId(0)), 1_000);
-        let next = [1, 2, 3, 4, 5, 6];
-        insights.on_pick(
-            &call(2, "a", "claude_code", &next, &s2, 650, 5_000),
-            &placed(0, 4, 4),
-            &fleet,
-        );
-        insights.on_outcome(2, Some(160), Some(100), Some(WorkerId(0)), 10_000);
-
-        let t = totals_of(&insights, "claude_code");
-        assert_eq!(t.calls, 2);
-        assert_eq!(t.prompt_tokens, 275.0);
-        // The second call repeats 4 blocks of 25 tokens.
-        assert_eq!(t.repeated_prefix_tokens, 100.0);
-        assert_eq!((t.prompt_bytes, t.repeated_prefix_bytes), (1100, 400));
-        assert!((t.repeated_prefix_share() - 400.0 / 1100.0).abs() < 1e-12);
-        assert_eq!((t.continuing_calls, t.same_worker_calls), (1, 1));
-        assert_eq!(t.same_worker_rate(), 1.0);
-        assert_eq!(t.prefix_checks, 1);
-        assert_eq!(t.prefix_breaks, [0; 4]);
-        // Read 100, written 110 + 60.
-        assert_eq!(t.written_tokens, 170.0);
-        assert!((t.read_write_ratio() - 100.0 / 170.0).abs() < 1e-12);
-        // 100 cached tokens at 10 tokens/ms saved 10 ms of prefill.
-        assert_eq!(t.prefill_saved_ms, 10.0);
-        assert_eq!(t.prefill_computed_ms, 17.0);
-        // Idle 1 s between the calls with 4 blocks (100 tokens × 1000 B).
-        assert_eq!(t.idle_kv_byte_ms, 100.0 * 1000.0 * 4_000.0);
-
-        // Idle for a minute after the second call: 150 tokens held.
-        insights.tick(70_000, &fleet);
-        let t = totals_of(&insights, "claude_code");
-        assert_eq!(t.idle_kv_byte_ms, 100.0 * 1000.0 * 4_000.0 + 150.0 * 1000.0 * 60_000.0);
-        let idle = insights.idle_sessions(70_000, &fleet);
-        assert_eq!(idle.len(), 1);
-        assert_eq!((idle[0].session.as_str(), idle[0].model.as_str()), ("a", "m"));
-        assert_eq!(
-            (idle[0].kv_bytes, idle[0].idle_ms, idle[0].recompute_ms),
-            (150_000.0, 60_000, 15.0)
-        );
-        let (_, r) = insights.retention().next().unwrap();
-        assert_eq!(r.idle_sessions, 1);
-        assert_eq!(r.kv_bytes, 150_000.0);
-        assert_eq!(r.recompute_ms, 15.0);
-        assert_eq!(r.max_idle_ms, 60_000);
-        assert!(insights.break_points().is_empty());
-    }
-
-    #[test]
-    fn a_timestamp_in_the_system_prompt_is_named_as_the_breaker() {
-        let mut insights = Insights::new(InsightConfig::default());
-        let fleet = Fleet::default();
-        let sections = |system_digest| {
-            [
-                section(SectionKind::Tools, 0, 0, 1),
-                section(SectionKind::System, 0, 200, system_digest),
-                section(SectionKind::Message, 1, 300, 3),
-            ]
-        };
-        let first = sections(10);
-        insights.on_pick(
-            &call(1, "b", "openclaw", &[1, 2, 3, 4], &first, 450, 0),
-            &placed(1, 0, 0),
-            &fleet,
-        );
-        let second = sections(11);
-        insights.on_pick(
-            &call(2, "b", "openclaw", &[1, 2, 7, 8], &second, 450, 10),
-            &placed(1, 2, 2),
-            &fleet,
-        );
-        let points = insights.break_points();
-        assert_eq!(points.len(), 1);
-        let (point, stats) = points[0];
-        assert_eq!((point.kind, point.index), (SectionKind::System, 0));
-        assert_eq!(Insights::harness_name(point.harness), "openclaw");
-        assert_eq!((stats.count, stats.first_block_min), (1, 2));
-        let t = totals_of(&insights, "openclaw");
-        assert_eq!(t.prefix_breaks[SectionKind::System as usize], 1);
-        // The two shared blocks still count as a repeated prefix.
-        assert_eq!(t.repeated_prefix_tokens, 50.0);
-
-        // A compacted history drops message 1: the break is named there.
-        let compacted = &second[..2];
-        insights.on_pick(
-            &call(3, "b", "openclaw", &[1, 2, 7], compacted, 300, 20),
-            &placed(1, 2, 2),
-            &fleet,
-        );
-        assert!(
-            insights
-                .break_points()
-                .iter()
-                .any(|(p, _)| (p.kind, p.index) == (SectionKind::Message, 1))
-        );
-    }
-
-    #[test]
-    fn a_last_part_that_grows_in_place_is_no_break() {
-        let mut insights = Insights::new(InsightConfig::default());
-        let fleet = Fleet::default();
-        let prompt = |digest| [section(SectionKind::Message, 0, 0, digest)];
-        // A completions prompt that grows: its closing quote moves, so the
-        // last full block of the first call differs in the second.
-        insights.on_pick(
-            &call(1, "p", "other", &[1, 2, 3], &prompt(1), 350, 0),
-            &placed(0, 0, 0),
-            &fleet,
-        );
-        insights.on_pick(
-            &call(2, "p", "other", &[1, 2, 9, 10], &prompt(2), 450, 1),
-            &placed(0, 2, 2),
-            &fleet,
-        );
-        assert!(insights.break_points().is_empty());
-        // Changing an earlier part is a break even if the last one grows.
-        let two = |a, b| {
-            [
-                section(SectionKind::System, 0, 0, a),
-                section(SectionKind::Message, 1, 100, b),
-            ]
-        };
-        insights.on_pick(
-            &call(3, "q", "other", &[1, 2, 3], &two(1, 1), 350, 2),
-            &placed(0, 0, 0),
-            &fleet,
-        );
-        insights.on_pick(
-            &call(4, "q", "other", &[5, 6, 7, 8], &two(2, 2), 450, 3),
-            &placed(0, 0, 0),
-            &fleet,
-        );
-        assert_eq!(insights.break_points().len(), 1);
-        assert_eq!(insights.break_points()[0].0.kind, SectionKind::System);
-    }
-
-    #[test]
-    fn a_move_says_why() {
-        let mut insights = Insights::new(InsightConfig::default());
-        let blocks = [1, 2, 3, 4];
-        let s = [section(SectionKind::Message, 0, 0, 1)];
-        let mut fleet = Fleet::default();
-        let mut id = 0;
-        let mut pick = |insights: &mut Insights, worker, predicted, fleet: &Fleet, blocks: &[u64]| {
-            id += 1;
-            insights.on_pick(
-                &call(id, "c", "codex", blocks, &s, 400, id),
-                &placed(worker, predicted, 4),
-                fleet,
-            );
-        };
-        pick(&mut insights, 0, 0, &fleet, &blocks);
-        // Worker 0 holds all 4 blocks but the call went to 1 with none: load.
-        fleet.overlaps = vec![4, 0];
-        pick(&mut insights, 1, 0, &fleet, &blocks);
-        // Back to 0, which lost two of the blocks: eviction.
-        fleet.overlaps = vec![0, 2];
-        pick(&mut insights, 0, 0, &fleet, &blocks);
-        // Worker 0 is gone.
-        fleet.gone = vec![WorkerId(0)];
-        pick(&mut insights, 1, 4, &fleet, &blocks);
-        // A new first block: nothing to stick for.
-        fleet.gone.clear();
-        pick(&mut insights, 0, 0, &fleet, &[9, 2, 3, 4]);
-        let t = totals_of(&insights, "codex");
-        assert_eq!(t.continuing_calls, 4);
-        assert_eq!(t.same_worker_calls, 0);
-        assert_eq!(
-            t.moves,
-            [1, 1, 1, 1, 0],
-            "worker_gone, prefix_change, eviction, load, other"
-        );
-    }
-
-    #[test]
-    fn tenants_past_the_label_budget_share_one_label() {
-        let config = InsightConfig {
-            tenant_labels: 2,
-            ..InsightConfig::default()
-        };
-        let mut insights = Insights::new(config);
-        let fleet = Fleet::default();
-        for (i, tenant) in ["t1", "t2", "t3", "t4", ""].iter().enumerate() {
-            let mut c = call(i as u64, "", "other", &[1], &[], 100, 0);
-            c.tenant = tenant;
-            insights.on_pick(&c, &placed(0, 0, 0), &fleet);
-        }
-        let mut names: Vec<&str> = insights.totals().map(|(l, _)| insights.tenant_name(l.tenant)).collect();
-        names.sort_unstable();
-        assert_eq!(names, ["none", "other", "t1", "t2"]);
-        let report = insights.report(0, 60_000);
-        assert_eq!(report.rows.iter().map(|r| r.2.calls).sum::<u64>(), 5);
-        // Calls without a session still count their usage.
-        insights.on_outcome(4, Some(100), Some(40), Some(WorkerId(0)), 1);
-        let report = insights.report(1, 60_000);
-        let none = report.rows.iter().find(|r| r.1 == "none").unwrap();
-        assert_eq!((none.2.reported_cached_tokens, none.2.written_tokens), (40.0, 60.0));
-    }
-
-    #[test]
-    fn the_report_covers_only_its_window() {
-        let mut insights = Insights::new(InsightConfig::default());
-        let fleet = Fleet::default();
-        insights.on_pick(&call(1, "a", "codex", &[1], &[], 100, 0), &placed(0, 0, 0), &fleet);
-        insights.on_pick(
-            &call(2, "b", "codex", &[2], &[], 100, 600_000),
-            &placed(0, 0, 0),
-            &fleet,
-        );
-        let calls = |window| {
-            insights
-                .report(600_000, window)
-                .rows
-                .iter()
-                .map(|r| r.2.calls)
-                .sum::<u64>()
-        };
-        assert_eq!(calls(60_000), 1);
-        assert_eq!(calls(3_600_000), 2);
-    }
 }

@@ -1,0 +1,421 @@
+//! The fleet as the router keeps it: the registry of workers (address,
+//! lifecycle, health, the engine's own signals), each one's load, and the
+//! picks awaiting their outcome whose load it carries. `Holdings` is the
+//! fleet as values, for consumers that must not hold the router.
+
+use hashbrown::HashMap;
+use kvmesh_vocab::DEFAULT_BLOCK_BYTES;
+
+use super::Router;
+use super::decision::Decision;
+use crate::index::PrefixIndex;
+use crate::sessions::SessionTable;
+
+/// Index of a worker in the router's list; stable for the router's life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(pub usize);
+
+/// Lifecycle of a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerState {
+    Active,
+    /// Finishes its requests, takes no new ones.
+    Draining,
+    /// Gone; its id is never reused.
+    Removed,
+}
+
+/// A read-only view of one worker, for admin pages and metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerView {
+    pub address: String,
+    pub state: WorkerState,
+    pub healthy: bool,
+    pub in_flight: u32,
+    pub queued_prefill_tokens: f64,
+    pub active_kv_tokens: f64,
+    pub cached_blocks: usize,
+    pub capacity_blocks: usize,
+    pub live_sessions: u32,
+    /// The engine's own KV capacity in tokens, when it reports one, and the
+    /// engine tokens per block it was converted with (block size of the
+    /// Picks placed here over the bytes per token of their model).
+    pub engine_capacity_tokens: Option<u64>,
+    pub tokens_per_block: f64,
+    /// Block size and model of the latest Pick placed here, and that
+    /// model's learned bytes per token.
+    pub block_bytes: u32,
+    pub bytes_per_token: f64,
+}
+
+/// `WorkerLoad`: what a worker is busy with, from kvmesh's own picks and
+/// outcomes and from the engine's metrics.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerLoad {
+    pub in_flight: u32,
+    /// Prompt tokens picked here and not yet prefilled, as a fluid queue:
+    /// it drains at the worker's prefill throughput. (Counting the uncached
+    /// tokens of every unfinished request instead overstates the queue of a
+    /// busy worker whose requests are decoding, and moves sessions away.)
+    pub queued_prefill_tokens: f64,
+    pub(super) queue_at_ms: u64,
+    /// Prefill tokens computed lately (decaying, half-life one minute): a
+    /// new session weighs the work a worker has been doing, so sessions do
+    /// not pile their prefill onto the same workers.
+    pub(super) recent_prefill_tokens: f64,
+    /// Learned from time to first byte; 0 until the first outcome.
+    pub(super) prefill_tokens_per_ms: f64,
+    /// Prompt tokens of picked requests not yet finished (their KV).
+    pub active_kv_tokens: f64,
+    /// The engine's own queue (from its metrics), in requests.
+    pub engine_waiting: f64,
+}
+
+/// Half-life of a worker's recent prefill, in ms.
+const RECENT_PREFILL_HALF_LIFE_MS: f64 = 60_000.0;
+
+#[derive(Debug)]
+pub(super) struct Worker {
+    pub(super) address: String,
+    pub(super) state: WorkerState,
+    pub(super) healthy: bool,
+    pub(super) load: WorkerLoad,
+    /// The capacity from configuration or the engine: the correction never
+    /// grows the estimate past it.
+    pub(super) capacity_ceiling: usize,
+    /// The KV capacity the engine reports, in its tokens.
+    pub(super) engine_capacity_tokens: Option<u64>,
+    /// Tokens per block the engine capacity was last converted with: the
+    /// block size of the Picks placed here over the bytes per token of
+    /// their model. A block is `block_bytes` of kvmesh's canonical stream,
+    /// so how many engine tokens it holds depends on both.
+    pub(super) tokens_per_block: f64,
+    /// Block size and model of the latest Pick placed here.
+    pub(super) block_bytes: u32,
+    pub(super) model: String,
+}
+
+impl Worker {
+    pub(super) fn pickable(&self) -> bool {
+        self.healthy && self.state == WorkerState::Active
+    }
+}
+
+/// A pick awaiting its outcome.
+#[derive(Debug, Clone)]
+pub(super) struct Pending {
+    pub(super) worker: WorkerId,
+    pub(super) uncached_tokens: f64,
+    pub(super) request_tokens: f64,
+    pub(super) predicted_blocks: usize,
+    pub(super) block_bytes: u32,
+    pub(super) prompt_bytes: u64,
+    pub(super) truncated: bool,
+    /// At most `kvmesh_vocab::limits::MAX_ID_BYTES` (the sidecar rejects
+    /// longer), for at most `max_pending_picks` picks.
+    pub(super) model: String,
+    /// Its load was already taken off the worker (see `pick`).
+    pub(super) released: bool,
+    pub(super) at_ms: u64,
+}
+
+/// Which workers take requests, and which of the (worker, block) pairs a
+/// consumer asked about they hold, at one moment: values taken under a
+/// short router lock, so the consumer (the insight ledger) runs without it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Holdings {
+    held: HashMap<(WorkerId, u64), bool>,
+}
+
+impl Holdings {
+    /// The answers as a driver knows them (the benchmark asks its engines).
+    pub fn new(answers: impl IntoIterator<Item = ((WorkerId, u64), bool)>) -> Self {
+        Self {
+            held: answers.into_iter().collect(),
+        }
+    }
+
+    /// Whether `worker` takes requests and holds `block`; `None` when that
+    /// was not asked (the question came after the snapshot).
+    pub fn holds(&self, worker: WorkerId, block: u64) -> Option<bool> {
+        self.held.get(&(worker, block)).copied()
+    }
+}
+
+impl Router {
+    /// Adds a worker (or revives a removed one at the same address).
+    pub fn add_worker(&mut self, address: &str) -> WorkerId {
+        if let Some(&id) = self.by_address.get(address) {
+            if let Some(w) = self.workers.get_mut(id.0) {
+                w.state = WorkerState::Active;
+            }
+            return id;
+        }
+        let id = self.index.add_worker(self.config.worker_capacity_blocks);
+        self.workers.push(Worker {
+            address: address.to_owned(),
+            state: WorkerState::Active,
+            healthy: true,
+            load: WorkerLoad::default(),
+            capacity_ceiling: self.config.worker_capacity_blocks,
+            engine_capacity_tokens: None,
+            tokens_per_block: 0.0,
+            block_bytes: DEFAULT_BLOCK_BYTES as u32,
+            model: String::new(),
+        });
+        self.by_address.insert(address.to_owned(), id);
+        id
+    }
+
+    pub fn worker_id(&self, address: &str) -> Option<WorkerId> {
+        self.by_address.get(address).copied()
+    }
+
+    pub fn address(&self, id: WorkerId) -> Option<&str> {
+        self.workers.get(id.0).map(|w| w.address.as_str())
+    }
+
+    /// Takes no new requests; in-flight ones finish.
+    pub fn drain(&mut self, id: WorkerId) {
+        if let Some(w) = self.workers.get_mut(id.0)
+            && w.state == WorkerState::Active
+        {
+            w.state = WorkerState::Draining;
+        }
+    }
+
+    /// Forgets the worker's cache and sessions; it is never picked again
+    /// unless added back.
+    pub fn remove(&mut self, id: WorkerId) {
+        if let Some(w) = self.workers.get_mut(id.0) {
+            w.state = WorkerState::Removed;
+            w.load = WorkerLoad::default();
+        }
+        self.index.clear_worker(id);
+        self.sessions.evict_worker(id);
+    }
+
+    /// The engine restarted or reset its cache: nothing is cached there.
+    pub fn restart(&mut self, id: WorkerId) -> usize {
+        self.index.clear_worker(id)
+    }
+
+    pub fn set_healthy(&mut self, id: WorkerId, healthy: bool) {
+        if let Some(worker) = self.workers.get_mut(id.0) {
+            worker.healthy = healthy;
+        }
+    }
+
+    /// The engine's own view of its queue.
+    pub fn set_engine_waiting(&mut self, id: WorkerId, waiting: f64) {
+        if let Some(worker) = self.workers.get_mut(id.0) {
+            worker.load.engine_waiting = waiting.max(0.0);
+        }
+    }
+
+    /// The engine reported its KV capacity in tokens. It becomes blocks at
+    /// the block size of the Picks placed on the worker and the bytes per
+    /// token learned for their model (until the first Pick: the default
+    /// block size and bytes per token), and is converted again when either
+    /// changes.
+    pub fn set_engine_capacity_tokens(&mut self, id: WorkerId, tokens: u64) {
+        if let Some(worker) = self.workers.get_mut(id.0) {
+            // Scraped every second or so: only a new figure is converted
+            // here (Picks and outcomes convert again when their side moves).
+            if worker.engine_capacity_tokens == Some(tokens) {
+                return;
+            }
+            worker.engine_capacity_tokens = Some(tokens);
+            worker.tokens_per_block = 0.0;
+        }
+        self.convert_engine_capacity(id);
+    }
+
+    /// Engine tokens per kvmesh block on worker `id`.
+    fn tokens_per_block(&self, id: WorkerId) -> f64 {
+        let Some(worker) = self.workers.get(id.0) else {
+            return 0.0;
+        };
+        f64::from(worker.block_bytes.max(1)) / self.bytes_per_token(&worker.model)
+    }
+
+    /// Turns worker `id`'s engine capacity into blocks if the conversion
+    /// moved by more than 2 % since it was last applied (every Pick and
+    /// outcome may call it; the index is only resized on a real change).
+    pub(super) fn convert_engine_capacity(&mut self, id: WorkerId) {
+        let tokens_per_block = self.tokens_per_block(id);
+        let Some(worker) = self.workers.get_mut(id.0) else {
+            return;
+        };
+        let Some(tokens) = worker.engine_capacity_tokens else {
+            return;
+        };
+        let before = worker.tokens_per_block;
+        if before > 0.0 && (tokens_per_block - before).abs() <= 0.02 * before {
+            return;
+        }
+        worker.tokens_per_block = tokens_per_block;
+        let blocks = ((tokens as f64) / tokens_per_block.max(f64::MIN_POSITIVE)).max(1.0) as usize;
+        let previous_ceiling = std::mem::replace(&mut worker.capacity_ceiling, blocks);
+        let capacity = self.index.capacity(id);
+        // The estimate follows the engine's figure down at once; up only
+        // from the configured default or the previous engine figure (the
+        // closed loop's corrections between them stand).
+        if capacity > blocks || capacity == self.config.worker_capacity_blocks || capacity == previous_ceiling {
+            self.index.set_capacity(id, blocks);
+        }
+    }
+
+    /// The block size and model the latest Pick placed on `id` carried.
+    pub(super) fn note_block_size(&mut self, id: WorkerId, block_bytes: u32, model: &str) {
+        let Some(worker) = self.workers.get_mut(id.0) else {
+            return;
+        };
+        if worker.block_bytes == block_bytes && worker.model == model {
+            return;
+        }
+        worker.block_bytes = block_bytes;
+        model.clone_into(&mut worker.model);
+        self.convert_engine_capacity(id);
+    }
+
+    pub fn workers(&self) -> Vec<WorkerView> {
+        self.workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| WorkerView {
+                address: w.address.clone(),
+                state: w.state,
+                healthy: w.healthy,
+                in_flight: w.load.in_flight,
+                queued_prefill_tokens: w.load.queued_prefill_tokens,
+                active_kv_tokens: w.load.active_kv_tokens,
+                cached_blocks: self.index.len(WorkerId(i)),
+                capacity_blocks: self.index.capacity(WorkerId(i)),
+                live_sessions: self.sessions.hosted(WorkerId(i)),
+                engine_capacity_tokens: w.engine_capacity_tokens,
+                tokens_per_block: w.tokens_per_block,
+                block_bytes: w.block_bytes,
+                bytes_per_token: self.bytes_per_token(&w.model),
+            })
+            .collect()
+    }
+
+    pub fn sessions(&self) -> &SessionTable {
+        &self.sessions
+    }
+
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    /// Ends sessions idle past the TTL.
+    pub fn expire_sessions(&mut self, now_ms: u64) -> usize {
+        self.sessions.expire(now_ms)
+    }
+
+    /// Answers which of `probes` the fleet holds now (a worker that takes
+    /// no requests holds nothing that counts).
+    pub fn holdings(&self, probes: &[(WorkerId, u64)]) -> Holdings {
+        Holdings::new(probes.iter().map(|&(worker, block)| {
+            let held = self.workers.get(worker.0).is_some_and(Worker::pickable) && self.index.contains(worker, block);
+            ((worker, block), held)
+        }))
+    }
+
+    /// A worker's prefill throughput in tokens per ms: learned, else the default.
+    pub fn prefill_tokens_per_ms(&self, id: WorkerId) -> f64 {
+        self.workers
+            .get(id.0)
+            .map(|w| w.load.prefill_tokens_per_ms)
+            .filter(|rate| *rate > 0.0)
+            .unwrap_or(self.config.default_prefill_tokens_per_ms)
+    }
+
+    /// Lets each worker's prefill queue drain up to `now_ms`.
+    pub(super) fn drain_queues(&mut self, now_ms: u64) {
+        let default_rate = self.config.default_prefill_tokens_per_ms;
+        for w in &mut self.workers {
+            let load = &mut w.load;
+            let rate = if load.prefill_tokens_per_ms > 0.0 {
+                load.prefill_tokens_per_ms
+            } else {
+                default_rate
+            };
+            let elapsed = now_ms.saturating_sub(load.queue_at_ms) as f64;
+            load.queued_prefill_tokens = (load.queued_prefill_tokens - rate * elapsed).max(0.0);
+            load.recent_prefill_tokens *= 0.5f64.powf(elapsed / RECENT_PREFILL_HALF_LIFE_MS);
+            load.queue_at_ms = load.queue_at_ms.max(now_ms);
+        }
+    }
+
+    /// Puts a decided pick's load on its worker and keeps it pending until
+    /// its outcome.
+    pub(super) fn charge(&mut self, decision: &Decision, pending: Pending, routing_key: &str) {
+        if let Some(w) = self.workers.get_mut(pending.worker.0) {
+            w.load.in_flight = w.load.in_flight.saturating_add(1);
+            w.load.queued_prefill_tokens += pending.uncached_tokens;
+            w.load.recent_prefill_tokens += pending.uncached_tokens;
+            w.load.active_kv_tokens += pending.request_tokens;
+        }
+        if !routing_key.is_empty() {
+            self.last_pick.insert(routing_key.to_owned(), decision.pick_id);
+        }
+        self.remember(decision.pick_id, pending);
+    }
+
+    fn remember(&mut self, pick_id: u64, pending: Pending) {
+        // At the bound, the oldest unreported pick is released: its outcome
+        // is never coming (a filter restart, a lost report).
+        if self.pending.len() >= self.pending.capacity()
+            && let Some((_, old)) = self.pending.pop_oldest()
+        {
+            self.release(&old);
+        }
+        // Before the insert, as it always was: this drops the entry of the
+        // pick being remembered too (its session's next call then does not
+        // release it early; its outcome or age still does).
+        if self.last_pick.len() > 2 * self.pending.capacity() {
+            let pending = &self.pending;
+            self.last_pick.retain(|_, id| pending.contains_key(id));
+        }
+        self.pending.insert(pick_id, pending);
+    }
+
+    /// Releases picks whose outcome never came (oldest first).
+    pub(super) fn release_stale_picks(&mut self, now_ms: u64) {
+        let max_age = self.config.max_pick_age_ms;
+        while let Some((_, oldest)) = self.pending.oldest() {
+            if now_ms.saturating_sub(oldest.at_ms) <= max_age {
+                break;
+            }
+            if let Some((_, p)) = self.pending.pop_oldest() {
+                self.release(&p);
+            }
+        }
+    }
+
+    /// Takes a pending pick's load off its worker, once.
+    pub(super) fn release_pick(&mut self, pick_id: u64) {
+        let Some(p) = self.pending.get_mut(&pick_id) else {
+            return;
+        };
+        if p.released {
+            return;
+        }
+        let before = p.clone();
+        p.released = true;
+        self.release(&before);
+    }
+
+    pub(super) fn release(&mut self, p: &Pending) {
+        if p.released {
+            return;
+        }
+        // The prefill queue drains by itself (see `WorkerLoad`).
+        if let Some(w) = self.workers.get_mut(p.worker.0) {
+            w.load.in_flight = w.load.in_flight.saturating_sub(1);
+            w.load.active_kv_tokens = (w.load.active_kv_tokens - p.request_tokens).max(0.0);
+        }
+    }
+}

@@ -1,0 +1,334 @@
+//! The routing decision: for each request, the worker where it costs least.
+//!
+//! Cost, in prompt-token equivalents, starts from Dynamo's KV router
+//! (`prefill + decode`) and adds what agent traffic needs. It is one
+//! function, `cost::cost`, whose named terms are these (and a `Decision`
+//! carries them as is):
+//!
+//! ```text
+//! cost(w) = prefill_weight  · uncached(w)               (prefill)
+//!         + prefill_weight  · queued_prefill(w)         (queue)
+//!         + decode_weight   · (active_kv(w) + request_tokens)   (decode)
+//!         + session_weight  · live_sessions(w)          (sessions; new sessions only)
+//!         + recent_weight   · recent_prefill(w)         (recent; new sessions only)
+//!         + eviction_weight · tokens_evicted(w)         (eviction; placing the new blocks)
+//!         - move_margin     · request_tokens            (hysteresis; the session's home only)
+//! ```
+//!
+//! `uncached(w)` is the request's tokens minus the leading blocks `w` holds,
+//! so the longest cached prefix wins unless its worker is loaded enough that
+//! recomputing elsewhere is cheaper. `queued_prefill` counts kvmesh's own
+//! queue and the engine's reported waiting requests (`waiting_request_tokens`
+//! each). `live_sessions` is load a worker has
+//! promised: each live session will keep calling, so new sessions spread
+//! even when they share a short prefix (a common tool list). It weighs only
+//! where a session starts; after that, its prefix and real load decide. Costs within
+//! `tie_tolerance` are ties, broken by preference (the session's home, then
+//! its parent's) and then by worker id: affinity follows the cost, it never
+//! overrides it (a prototype lost up to 14 % of prefill by preferring the
+//! last worker more strongly).
+//!
+//! The hysteresis term discounts a continuing session's home by
+//! `move_margin` of the request: a band, so a session under fluctuating
+//! load does not flap between two workers that both hold its prefix.
+//!
+//! A subagent is its own session; the first call of a child is seeded on
+//! its parent's worker when costs tie, and spills to the next cheapest
+//! worker once the parent's worker is loaded (hot-prefix replication).
+//!
+//! The router's jobs, one file each: `fleet` (workers, their load and the
+//! picks awaiting outcomes), `cost` (the formula and the ranking),
+//! `learning` (what outcomes teach), `snapshot` (warm restarts and other
+//! replicas' placements), and `decision` (the record a pick returns, which
+//! consumers such as the insight ledger read instead of the router).
+
+mod cost;
+mod decision;
+mod fleet;
+pub(crate) mod learning;
+mod snapshot;
+
+use hashbrown::HashMap;
+
+use kvmesh_vocab::limits::MAX_PROMPT_TOKENS;
+
+use crate::index::PrefixIndex;
+use crate::lru::LruMap;
+use crate::models::ModelRates;
+use crate::sessions::SessionTable;
+
+pub use cost::Cost;
+pub use decision::{Decision, Outcome, PickInput, Reason};
+pub use fleet::{Holdings, WorkerId, WorkerLoad, WorkerState, WorkerView};
+pub use snapshot::Snapshot;
+
+use cost::{Candidate, CostFacts};
+use fleet::{Pending, Worker};
+
+/// Router settings; the weights are in prompt-token equivalents.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// Blocks each worker's cache holds, until the engine reports its own.
+    pub worker_capacity_blocks: usize,
+    /// Sessions remembered; the least recently seen go first.
+    pub max_sessions: usize,
+    /// A session idle this long is over.
+    pub session_ttl_ms: u64,
+    /// Destinations returned per pick: the best, then fallbacks for retries.
+    pub ranked_destinations: usize,
+    /// Picks awaiting their outcome; past this the oldest are released.
+    pub max_pending_picks: usize,
+    pub prefill_weight: f64,
+    pub decode_weight: f64,
+    /// Per live session a worker already hosts.
+    pub session_weight: f64,
+    /// Per token of cached blocks a placement would push out.
+    pub eviction_weight: f64,
+    /// Prompt tokens assumed per request the engine reports waiting.
+    pub waiting_request_tokens: f64,
+    /// Costs closer than this fraction of the best are ties.
+    pub tie_tolerance: f64,
+    /// A continuing session leaves its home only for a worker cheaper by
+    /// more than this fraction of the request's tokens: hysteresis, so a
+    /// session does not flap between workers of nearly equal cost.
+    pub move_margin: f64,
+    /// Bytes per token until outcomes teach the model's own.
+    pub default_bytes_per_token: f64,
+    /// A pick with no outcome after this long is released: its report was
+    /// lost (a filter restart, a reply that arrived after its timeout).
+    pub max_pick_age_ms: u64,
+    /// Prefill throughput of a worker until its outcomes teach its own
+    /// (tokens per ms; 10 is about one H100 prefilling a 30B model).
+    pub default_prefill_tokens_per_ms: f64,
+    /// Per token of a worker's recent prefill, for placing new sessions.
+    pub recent_prefill_weight: f64,
+    /// Heap bytes the prefix index may hold, whatever the caches report.
+    pub index_budget_bytes: usize,
+    /// Distinct models whose bytes per token are remembered; past it the
+    /// one taught least recently is forgotten (see `ModelRates`).
+    pub max_models: usize,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            worker_capacity_blocks: 64 * 1024,
+            max_sessions: 100_000,
+            session_ttl_ms: 30 * 60 * 1000,
+            ranked_destinations: 3,
+            max_pending_picks: 100_000,
+            prefill_weight: 1.0,
+            // Holding KV slows every decode step a little (a decode step
+            // reads the weights and all resident KV; thousands of tokens of
+            // KV are a few percent of a 30B model's weights); recomputing a
+            // token costs a whole prefill token.
+            decode_weight: 0.05,
+            // About eight 64-token blocks per live session: enough that a
+            // shared tool list does not pile sessions onto one worker,
+            // small against any real session prefix.
+            session_weight: 512.0,
+            // An evicted block is recomputed only if someone comes back.
+            eviction_weight: 0.2,
+            waiting_request_tokens: 512.0,
+            tie_tolerance: 0.02,
+            move_margin: 0.25,
+            default_bytes_per_token: 4.0,
+            default_prefill_tokens_per_ms: 10.0,
+            // Measured on generated agent workloads (docs/benchmarks.md):
+            // imbalance 1.34 → 1.22 on average over four seeds, prefill
+            // +2.5 %.
+            recent_prefill_weight: 0.05,
+            index_budget_bytes: 1 << 30,
+            max_pick_age_ms: 15 * 60 * 1000,
+            // Far more models than one GPU cluster serves; small enough
+            // that a client inventing names costs under 300 KiB.
+            max_models: 1024,
+        }
+    }
+}
+
+/// The routing state of one GPU cluster.
+#[derive(Debug)]
+pub struct Router {
+    config: RouterConfig,
+    workers: Vec<Worker>,
+    by_address: HashMap<String, WorkerId>,
+    index: PrefixIndex,
+    sessions: SessionTable,
+    /// Picks awaiting their outcome, oldest first.
+    pending: LruMap<u64, Pending>,
+    /// Each session's latest pick, while it is pending.
+    last_pick: HashMap<String, u64>,
+    next_pick_id: u64,
+    bytes_per_token: ModelRates,
+}
+
+impl Router {
+    pub fn new(config: RouterConfig, addresses: impl IntoIterator<Item = String>) -> Self {
+        let mut router = Self {
+            sessions: SessionTable::new(config.max_sessions, config.session_ttl_ms),
+            pending: LruMap::new(config.max_pending_picks),
+            bytes_per_token: ModelRates::new(config.max_models),
+            config,
+            workers: Vec::new(),
+            by_address: HashMap::new(),
+            index: PrefixIndex::new(),
+            last_pick: HashMap::new(),
+            next_pick_id: 1,
+        };
+        let budget = router.config.index_budget_bytes;
+        router.index.set_byte_budget(budget);
+        for address in addresses {
+            router.add_worker(&address);
+        }
+        router
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// Chooses the workers for one request, records it as placed on the
+    /// best, and returns the record of the decision.
+    pub fn pick(&mut self, input: PickInput<'_>) -> Decision {
+        let pick_id = self.next_pick_id;
+        self.next_pick_id += 1;
+        let key = input.routing_key();
+        // An agent sends its next call only once the previous one answered:
+        // that call is finished even if its outcome report is still on the
+        // way, and its load must not count against the session's own home.
+        if let Some(previous) = self.last_pick.get(key).copied() {
+            self.release_pick(previous);
+        }
+        let home = (!key.is_empty())
+            .then(|| self.sessions.home(key, input.now_ms))
+            .flatten();
+        let parent_home = (!input.parent_id.is_empty())
+            .then(|| self.sessions.home(input.parent_id, input.now_ms))
+            .flatten();
+
+        let bytes_per_token = self.bytes_per_token(input.model);
+        let block_bytes = input.block_bytes();
+        let block_tokens = f64::from(block_bytes) / bytes_per_token;
+        // Capped: whatever a Pick claims, it never queues more prefill on a
+        // worker than the largest prompt there can be.
+        let request_tokens = (input.prompt_bytes as f64 / bytes_per_token)
+            .max(input.block_hashes.len() as f64 * block_tokens * 0.5)
+            .min(MAX_PROMPT_TOKENS as f64);
+        let full = input.full_blocks();
+
+        self.drain_queues(input.now_ms);
+        self.release_stale_picks(input.now_ms);
+        let mut overlaps = Vec::with_capacity(self.workers.len());
+        self.index.overlaps(full, &mut overlaps);
+        let mut costs = vec![None; self.workers.len()];
+        let mut candidates: Vec<Candidate> = Vec::with_capacity(self.workers.len());
+        for (i, w) in self.workers.iter().enumerate() {
+            if !w.pickable() {
+                continue;
+            }
+            let id = WorkerId(i);
+            let overlap = overlaps.get(i).copied().unwrap_or(0);
+            let new_blocks = full.len().saturating_sub(overlap);
+            let cost = cost::cost(
+                &self.config,
+                &CostFacts {
+                    request_tokens,
+                    block_tokens,
+                    overlap,
+                    queued_tokens: w.load.queued_prefill_tokens
+                        + w.load.engine_waiting * self.config.waiting_request_tokens,
+                    active_kv_tokens: w.load.active_kv_tokens,
+                    recent_prefill_tokens: w.load.recent_prefill_tokens,
+                    live_sessions: self.sessions.hosted(id),
+                    overflow_blocks: (self.index.len(id) + new_blocks).saturating_sub(self.index.capacity(id)),
+                    new_session: home.is_none(),
+                    at_home: home == Some(id),
+                },
+            );
+            if let Some(slot) = costs.get_mut(i) {
+                *slot = Some(cost);
+            }
+            let preference = if home == Some(id) {
+                0
+            } else if parent_home == Some(id) {
+                1
+            } else {
+                2
+            };
+            candidates.push(Candidate {
+                id,
+                overlap,
+                cost: cost.total,
+                preference,
+                in_flight: w.load.in_flight,
+            });
+        }
+        let mut decision = Decision {
+            pick_id,
+            overlaps,
+            costs,
+            bytes_per_token,
+            request_tokens,
+            home,
+            parent_home,
+            ..Decision::default()
+        };
+        let Some((reason, best_overlap)) = cost::rank(&mut candidates, self.config.tie_tolerance) else {
+            decision.reason = Reason::NoWorkers;
+            return decision;
+        };
+        let Some(chosen) = candidates.first().copied() else {
+            decision.reason = Reason::NoWorkers;
+            return decision;
+        };
+        decision.ranked = candidates
+            .iter()
+            .take(self.config.ranked_destinations.max(1))
+            .map(|c| c.id)
+            .collect();
+        decision.reason = reason;
+        decision.cost = decision.costs.get(chosen.id.0).copied().flatten().unwrap_or_default();
+        decision.predicted_cached_blocks = u32::try_from(chosen.overlap).unwrap_or(u32::MAX);
+        decision.best_overlap = u32::try_from(best_overlap).unwrap_or(u32::MAX);
+        decision.prefill_tokens_per_ms = self.prefill_tokens_per_ms(chosen.id);
+
+        let uncached = request_tokens - (chosen.overlap as f64 * block_tokens).min(request_tokens);
+        self.note_block_size(chosen.id, block_bytes, input.model);
+        self.place(chosen.id, full, &input);
+        self.charge(
+            &decision,
+            Pending {
+                worker: chosen.id,
+                uncached_tokens: uncached,
+                request_tokens,
+                predicted_blocks: chosen.overlap,
+                block_bytes,
+                prompt_bytes: input.prompt_bytes,
+                truncated: input.truncated,
+                model: input.model.to_owned(),
+                released: false,
+                at_ms: input.now_ms,
+            },
+            input.routing_key(),
+        );
+        decision
+    }
+
+    /// The engine will hold the request's full blocks once it prefills them,
+    /// and the session's next call should find them there.
+    fn place(&mut self, id: WorkerId, full_blocks: &[u64], input: &PickInput<'_>) {
+        self.index.insert(id, full_blocks);
+        let key = input.routing_key();
+        if input.session_final {
+            self.sessions.end(key);
+        } else {
+            let parent = if input.parent_id.is_empty() {
+                None
+            } else {
+                Some(input.parent_id)
+            };
+            self.sessions.bind(key, parent, id, input.now_ms);
+        }
+    }
+}

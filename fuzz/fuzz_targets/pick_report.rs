@@ -3,9 +3,7 @@
 //! the gRPC service does: never a panic, and in-flight counts never underflow.
 #![no_main]
 
-use kvmesh_core::{
-    Call, InsightConfig, Insights, Outcome, PickInput, PromptSection, Router, RouterConfig, SectionKind,
-};
+use kvmesh_core::{Call, InsightConfig, Insights, Outcome, PromptSection, Router, RouterConfig};
 use kvmesh_proto::v1;
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
@@ -38,37 +36,13 @@ fuzz_target!(|data: &[u8]| {
         rest = next;
         now += 1_000;
         if let Ok(pick) = v1::PickRequest::decode(message) {
-            let input = PickInput {
-                block_hashes: &pick.block_hashes,
-                last_block_partial: pick.last_block_partial,
-                block_bytes: pick.block_bytes,
-                prompt_bytes: pick.prompt_bytes,
-                session_id: &pick.session_id,
-                agent_id: &pick.agent_id,
-                parent_id: &pick.parent_id,
-                model: &pick.model,
-                session_final: pick.session_final,
-                truncated: pick.truncated,
-                now_ms: now,
-            };
-            let sections: Vec<PromptSection> = pick
-                .sections
-                .iter()
-                .map(|s| PromptSection {
-                    kind: [
-                        SectionKind::Tools,
-                        SectionKind::System,
-                        SectionKind::Message,
-                        SectionKind::Other,
-                    ][(s.kind.unsigned_abs() % 4) as usize],
-                    index: s.index,
-                    start: s.start_byte,
-                    digest: s.digest,
-                })
-                .collect();
+            // The sidecar's own conversions, so the fuzzer checks the
+            // program that runs.
+            let input = kvmesh_sidecar::wire::pick_input(&pick, now);
+            let sections: Vec<PromptSection> = pick.sections.iter().map(kvmesh_sidecar::wire::section_from_wire).collect();
             let call = Call {
                 input,
-                harness: &pick.harness,
+                harness: pick.harness(),
                 tenant: &pick.tenant,
                 sections: &sections,
             };

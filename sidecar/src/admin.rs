@@ -144,8 +144,8 @@ async fn prefix_breaks(State(shared): State<Shared>) -> impl IntoResponse {
         .take(100)
         .map(|(point, stats)| {
             serde_json::json!({
-                "harness": kvmesh_core::Insights::harness_name(point.harness),
-                "section": point.kind.as_str(),
+                "harness": point.harness.name(),
+                "section": point.kind.name(),
                 "index": point.index,
                 "count": stats.count,
                 "first_block_min": stats.first_block_min,

@@ -150,7 +150,7 @@ impl Collector for InsightCollector {
             .map(|(label, t)| {
                 (
                     AgentLabel {
-                        harness: Insights::harness_name(label.harness),
+                        harness: label.harness.name(),
                         tenant: insights.tenant_name(label.tenant).to_owned(),
                     },
                     t,

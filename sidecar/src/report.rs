@@ -61,7 +61,7 @@ struct RetentionRow {
 fn section_name(point: &BreakPoint) -> String {
     match point.kind {
         SectionKind::Message => format!("message {}", point.index),
-        kind => kind.as_str().to_owned(),
+        kind => kind.name().to_owned(),
     }
 }
 
@@ -100,7 +100,7 @@ pub(crate) fn to_json(report: &Report) -> AgentReport {
             Breaker {
                 harness: harness.clone(),
                 section: section_name(point),
-                kind: point.kind.as_str().to_owned(),
+                kind: point.kind.name().to_owned(),
                 index: point.index,
                 count: stats.count,
                 share_of_checked_calls: if checked > 0 {

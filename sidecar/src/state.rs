@@ -124,7 +124,7 @@ impl Shared {
         let sections: Vec<PromptSection> = req.sections.iter().map(wire::section_from_wire).collect();
         let call = Call {
             input,
-            harness: &req.harness,
+            harness: req.harness(),
             tenant: &req.tenant,
             sections: &sections,
         };
@@ -204,8 +204,13 @@ impl Shared {
             (known, core, served)
         };
         // The ledger after the router's lock, as for a pick.
-        self.insights()
-            .on_outcome(usage.pick_id, usage.prompt_tokens, usage.cached_tokens, served, now_ms());
+        self.insights().on_outcome(
+            usage.pick_id,
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            served,
+            now_ms(),
+        );
         self.metrics
             .observe_report(known, usage.prompt_tokens, usage.cached_tokens);
     }

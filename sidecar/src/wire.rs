@@ -4,7 +4,7 @@
 //! beyond what the proto itself says (0 block bytes is "the default size",
 //! which the core applies).
 
-use kvmesh_core::{Outcome, PickInput, PromptSection, Reason, SectionKind};
+use kvmesh_core::{Outcome, PickInput, PromptSection, Reason};
 use kvmesh_proto::v1;
 
 /// The Pick as the core reads it, decided at `now_ms`.
@@ -27,14 +27,8 @@ pub fn pick_input(req: &v1::PickRequest, now_ms: u64) -> PickInput<'_> {
 /// One prompt section; a kind this sidecar does not know (a newer filter's)
 /// counts as `Other` rather than refusing the Pick.
 pub fn section_from_wire(section: &v1::PromptSection) -> PromptSection {
-    let kind = match v1::SectionKind::try_from(section.kind) {
-        Ok(v1::SectionKind::Tools) => SectionKind::Tools,
-        Ok(v1::SectionKind::System) => SectionKind::System,
-        Ok(v1::SectionKind::Message) => SectionKind::Message,
-        _ => SectionKind::Other,
-    };
     PromptSection {
-        kind,
+        kind: section.section_kind(),
         index: section.index,
         start: section.start_byte,
         digest: section.digest,
@@ -101,11 +95,11 @@ mod tests {
             })
             .kind
         };
-        assert_eq!(section(v1::SectionKind::Tools.into()), SectionKind::Tools);
-        assert_eq!(section(v1::SectionKind::System.into()), SectionKind::System);
-        assert_eq!(section(v1::SectionKind::Message.into()), SectionKind::Message);
-        assert_eq!(section(999), SectionKind::Other);
-        assert_eq!(section(-1), SectionKind::Other);
+        for kind in kvmesh_core::SectionKind::ALL {
+            assert_eq!(section(v1::SectionKind::from(kind).into()), kind);
+        }
+        assert_eq!(section(999), kvmesh_core::SectionKind::Other);
+        assert_eq!(section(-1), kvmesh_core::SectionKind::Other);
     }
 
     #[test]

@@ -90,7 +90,7 @@ fn sidecar_pick(router: &mut Router, insights: Option<&mut Insights>, hashes: &[
     };
     let call = Call {
         input,
-        harness: "claude_code",
+        harness: kvmesh_core::Harness::ClaudeCode,
         tenant: "t",
         sections: &[],
     };
@@ -172,7 +172,7 @@ fn main() {
                     };
                     let call = Call {
                         input,
-                        harness: "claude_code",
+                        harness: kvmesh_core::Harness::ClaudeCode,
                         tenant: "t",
                         sections: &[],
                     };

@@ -19,8 +19,8 @@ mod usage;
 
 pub use index::PrefixIndex;
 pub use insight::{
-    BreakPoint, BreakStats, Call, Figure, Figures, HARNESSES, IdleSession, InsightConfig, Insights, LabelId,
-    MoveReason, NO_TENANT, OTHER_TENANT, PromptSection, Report, Retention, SectionKind, Totals,
+    BreakPoint, BreakStats, Call, Figure, Figures, Harness, IdleSession, InsightConfig, Insights, LabelId, MoveReason,
+    NO_TENANT, OTHER_TENANT, PromptSection, Report, Retention, SectionKind, Totals,
 };
 pub use lru::{Lru, LruMap};
 pub use router::{

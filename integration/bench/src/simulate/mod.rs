@@ -173,7 +173,7 @@ fn run_policy(
         let input = r.pick_input(now as u64);
         let call = Call {
             input,
-            harness: "other",
+            harness: kvmesh_core::Harness::Other,
             tenant: "",
             sections: &r.sections,
         };
@@ -257,7 +257,7 @@ fn run_policy(
         .break_points()
         .iter()
         .take(5)
-        .map(|(p, s)| json!({"section": p.kind.as_str(), "index": p.index, "count": s.count, "first_block_min": s.first_block_min, "first_block_max": s.first_block_max}))
+        .map(|(p, s)| json!({"section": p.kind.name(), "index": p.index, "count": s.count, "first_block_min": s.first_block_min, "first_block_max": s.first_block_max}))
         .collect();
     let moves: serde_json::Map<String, serde_json::Value> =
         all.moves_by_reason().map(|(m, n)| (m.to_owned(), json!(n))).collect();

@@ -80,15 +80,8 @@ pub(crate) fn prepare(index: usize, r: &Request, config: &FilterConfig) -> anyho
 }
 
 fn section(s: &kvmesh_request::Section) -> kvmesh_core::PromptSection {
-    use kvmesh_core::SectionKind as Core;
-    use kvmesh_request::SectionKind as Filter;
     kvmesh_core::PromptSection {
-        kind: match s.kind {
-            Filter::Tools => Core::Tools,
-            Filter::System => Core::System,
-            Filter::Message => Core::Message,
-            Filter::Other => Core::Other,
-        },
+        kind: s.kind,
         index: s.index,
         start: s.start,
         digest: s.digest,

@@ -35,9 +35,9 @@ use crate::{Decision, Holdings, PickInput, WorkerId};
 
 pub use totals::{Figure, Figures, Totals};
 
-/// The agent harnesses kvmesh tells apart; anything else is `other`. A
-/// closed set, so that it can label metrics.
-pub const HARNESSES: [&str; 5] = ["claude_code", "codex", "opencode", "openclaw", "other"];
+/// The agent harnesses kvmesh tells apart and the parts of a prompt: the
+/// workspace's one vocabulary (`kvmesh-vocab`).
+pub use kvmesh_vocab::{Harness, SectionKind};
 
 /// Label of requests that name no tenant.
 pub const NO_TENANT: &str = "none";
@@ -75,28 +75,6 @@ impl MoveReason {
             Self::PrefixChange => "prefix_change",
             Self::Eviction => "eviction",
             Self::Load => "load",
-            Self::Other => "other",
-        }
-    }
-}
-
-/// Which part of a prompt a section is (mirrors the filter's).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum SectionKind {
-    Tools,
-    System,
-    Message,
-    Other,
-}
-
-impl SectionKind {
-    pub const ALL: [Self; 4] = [Self::Tools, Self::System, Self::Message, Self::Other];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Tools => "tools",
-            Self::System => "system",
-            Self::Message => "message",
             Self::Other => "other",
         }
     }
@@ -163,7 +141,7 @@ impl Default for InsightConfig {
 pub struct Call<'a> {
     /// The request as the router saw it: session, model, blocks, sizes, time.
     pub input: PickInput<'a>,
-    pub harness: &'a str,
+    pub harness: Harness,
     pub tenant: &'a str,
     pub sections: &'a [PromptSection],
 }
@@ -171,14 +149,14 @@ pub struct Call<'a> {
 /// Index of a (harness, tenant) label pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LabelId {
-    pub harness: u8,
+    pub harness: Harness,
     pub tenant: u16,
 }
 
 /// Where prefixes break: no prompt text, only positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BreakPoint {
-    pub harness: u8,
+    pub harness: Harness,
     pub kind: SectionKind,
     /// The message's position (0 for tools and system parts).
     pub index: u32,
@@ -297,7 +275,7 @@ pub struct Insights {
     /// Calls awaiting their outcome, oldest first.
     pending: LruMap<u64, PendingCall>,
     buckets: VecDeque<Bucket>,
-    retention: [Retention; HARNESSES.len()],
+    retention: [Retention; Harness::ALL.len()],
 }
 
 /// Key of a session's trace: a harness's side calls on another model (a
@@ -321,22 +299,13 @@ impl Insights {
             breaks: HashMap::new(),
             trace_bytes: 0,
             buckets: VecDeque::new(),
-            retention: [Retention::default(); HARNESSES.len()],
+            retention: [Retention::default(); Harness::ALL.len()],
             config,
         }
     }
 
     pub fn config(&self) -> &InsightConfig {
         &self.config
-    }
-
-    /// The harness label of a name from the wire.
-    pub fn harness_id(name: &str) -> u8 {
-        HARNESSES.iter().position(|h| *h == name).unwrap_or(HARNESSES.len() - 1) as u8
-    }
-
-    pub fn harness_name(id: u8) -> &'static str {
-        HARNESSES.get(usize::from(id)).copied().unwrap_or("other")
     }
 
     pub fn tenant_name(&self, id: u16) -> &str {
@@ -412,7 +381,7 @@ impl Insights {
     /// answers [`Insights::probe`] for this call.
     pub fn on_pick(&mut self, call: &Call<'_>, decision: &Decision, holdings: &Holdings) {
         let label = LabelId {
-            harness: Self::harness_id(call.harness),
+            harness: call.harness,
             tenant: self.tenant_id(call.tenant),
         };
         let placed_worker = decision.chosen();
@@ -624,7 +593,7 @@ impl Insights {
     pub fn tick(&mut self, now_ms: u64, holdings: &Holdings) {
         let kv_bytes_per_token = self.config.kv_bytes_per_token;
         let ttl = self.config.session_ttl_ms;
-        let mut retention = [Retention::default(); HARNESSES.len()];
+        let mut retention = [Retention::default(); Harness::ALL.len()];
         let mut charges: Vec<(LabelId, f64)> = Vec::new();
         let mut ended = Vec::new();
         for (key, trace) in self.traces.iter_mut() {
@@ -644,7 +613,7 @@ impl Insights {
             if let Some(since) = trace.idle_since_ms
                 && held(trace, holdings) == Some(true)
             {
-                let r = &mut retention[usize::from(trace.label.harness).min(HARNESSES.len() - 1)];
+                let r = &mut retention[trace.label.harness as usize];
                 r.idle_sessions += 1;
                 r.kv_bytes += trace.held_tokens * kv_bytes_per_token;
                 r.recompute_ms += trace.held_tokens / trace.prefill_tokens_per_ms.max(0.1);
@@ -679,7 +648,7 @@ impl Insights {
                 Some(IdleSession {
                     session: session.to_owned(),
                     model: model.to_owned(),
-                    harness: Self::harness_name(t.label.harness),
+                    harness: t.label.harness.name(),
                     worker,
                     kv_bytes: t.held_tokens * self.config.kv_bytes_per_token,
                     idle_ms: now_ms.saturating_sub(since),
@@ -702,7 +671,10 @@ impl Insights {
 
     /// Idle sessions per harness, as of the last [`Insights::tick`].
     pub fn retention(&self) -> impl Iterator<Item = (&'static str, Retention)> + '_ {
-        HARNESSES.iter().copied().zip(self.retention.iter().copied())
+        Harness::ALL
+            .iter()
+            .map(|h| h.name())
+            .zip(self.retention.iter().copied())
     }
 
     /// Break points seen since the start, most frequent first.
@@ -735,7 +707,7 @@ impl Insights {
             .into_iter()
             .map(|(label, t)| {
                 (
-                    Self::harness_name(label.harness).to_owned(),
+                    label.harness.name().to_owned(),
                     self.tenant_name(label.tenant).to_owned(),
                     t,
                 )
@@ -748,7 +720,7 @@ impl Insights {
         });
         let mut breakers: Vec<(String, BreakPoint, BreakStats)> = breaks
             .into_iter()
-            .map(|(p, s)| (Self::harness_name(p.harness).to_owned(), p, s))
+            .map(|(p, s)| (p.harness.name().to_owned(), p, s))
             .collect();
         breakers.sort_by(|a, b| b.2.count.cmp(&a.2.count).then(a.1.cmp(&b.1)));
         Report {

@@ -115,7 +115,7 @@ impl Totals {
     pub fn breaks_by_section(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
         SectionKind::ALL
             .iter()
-            .map(|s| (s.as_str(), self.prefix_breaks[*s as usize]))
+            .map(|s| (s.name(), self.prefix_breaks[*s as usize]))
     }
 }
 

@@ -84,7 +84,7 @@ fn call<'a>(
                 now_ms,
                 ..PickInput::default()
             },
-            harness,
+            harness: Harness::from_name(harness),
             tenant: harness,
             sections,
         },
@@ -97,7 +97,7 @@ fn placed(worker: usize, predicted: usize, reachable: usize) -> (usize, usize, u
 }
 
 fn totals_of(insights: &Insights, harness: &str) -> Totals {
-    let id = Insights::harness_id(harness);
+    let id = Harness::from_name(harness);
     insights
         .totals()
         .filter(|(l, _)| l.harness == id)
@@ -208,7 +208,7 @@ fn a_timestamp_in_the_system_prompt_is_named_as_the_breaker() {
     assert_eq!(points.len(), 1);
     let (point, stats) = points[0];
     assert_eq!((point.kind, point.index), (SectionKind::System, 0));
-    assert_eq!(Insights::harness_name(point.harness), "openclaw");
+    assert_eq!(point.harness.name(), "openclaw");
     assert_eq!((stats.count, stats.first_block_min), (1, 2));
     let t = totals_of(&insights, "openclaw");
     assert_eq!(t.prefix_breaks[SectionKind::System as usize], 1);

@@ -32,7 +32,7 @@ fn a_pick_claiming_u64_max_bytes_queues_no_more_than_the_largest_prompt() {
         };
         let call = Call {
             input,
-            harness: "other",
+            harness: Harness::Other,
             tenant: "",
             sections: &[],
         };
@@ -137,7 +137,7 @@ fn session_traces_stay_within_their_byte_budget() {
                     now_ms: i,
                     ..PickInput::default()
                 },
-                harness: "other",
+                harness: Harness::Other,
                 tenant: "",
                 sections: &[],
             },

@@ -8,6 +8,7 @@ use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use kvmesh_core::WorkerId;
 
 use crate::clock::now_ms;
 use crate::config::ReportArgs;
@@ -72,40 +73,83 @@ async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
     )
 }
 
+/// A page of `/debug/sessions`: `offset` and `limit` count sessions from the
+/// most recently seen.
+#[derive(Debug, serde::Deserialize)]
+struct Page {
+    offset: Option<usize>,
+    limit: Option<usize>,
+}
+
+/// Sessions per page unless asked, and at most.
+const PAGE_DEFAULT: usize = 1000;
+const PAGE_MAX: usize = 10_000;
+
 /// Session ids, homes and idle times: ids and counts only, never prompt text.
-async fn sessions(State(shared): State<Shared>) -> impl IntoResponse {
+///
+/// Every Pick waits on the router's lock, so under it this only copies out
+/// the page asked for (a selection, not a sort of the whole table) and the
+/// workers' addresses; the JSON is built after the lock is released. The
+/// idle sessions come from the insight ledger, under its own lock.
+async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> impl IntoResponse {
     let now = now_ms();
-    let router = shared.router();
-    let mut sessions: Vec<serde_json::Value> = router
-        .sessions()
-        .iter()
-        .map(|(id, home, seen)| {
+    let offset = page.offset.unwrap_or(0);
+    let limit = page.limit.unwrap_or(PAGE_DEFAULT).min(PAGE_MAX);
+    let probes = shared.insights().idle_probes();
+    let (total, rows, addresses, holdings) = {
+        let router = shared.router();
+        // Newest first: sorted by how long ago each was seen.
+        let mut newest: Vec<(u64, &str, WorkerId)> = router
+            .sessions()
+            .iter()
+            .map(|(id, home, seen)| (now.saturating_sub(seen), id, home))
+            .collect();
+        let total = newest.len();
+        let wanted = offset.saturating_add(limit).min(total);
+        if wanted > 0 && wanted < total {
+            newest.select_nth_unstable(wanted - 1);
+            newest.truncate(wanted);
+        }
+        newest.sort_unstable();
+        let rows: Vec<(String, Option<String>, u64, Option<String>)> = newest
+            .into_iter()
+            .skip(offset)
+            .map(|(idle_ms, id, home)| {
+                (
+                    id.to_owned(),
+                    router.address(home).map(str::to_owned),
+                    idle_ms,
+                    router.sessions().parent(id).map(str::to_owned),
+                )
+            })
+            .collect();
+        let addresses: Vec<String> = router.workers().into_iter().map(|w| w.address).collect();
+        (total, rows, addresses, router.holdings(&probes))
+    };
+    let sessions: Vec<serde_json::Value> = rows
+        .into_iter()
+        .map(|(id, home, idle_ms, parent)| {
             serde_json::json!({
                 "session": id,
-                "home": router.address(home),
-                "idle_ms": now.saturating_sub(seen),
-                "parent": router.sessions().parent(id),
+                "home": home,
+                "idle_ms": idle_ms,
+                "parent": parent,
             })
         })
         .collect();
-    sessions.sort_by_key(|s| s["idle_ms"].as_u64().unwrap_or(0));
-    // A page of the most recent; the count is the whole table.
-    let total = sessions.len();
-    sessions.truncate(1000);
     // What idle sessions hold while their agents wait on tools.
-    let probes = shared.insights().idle_probes();
-    let holdings = router.holdings(&probes);
     let idle = shared.insights().idle_sessions(now, &holdings);
     let idle_count = idle.len();
     let idle: Vec<serde_json::Value> = idle
         .into_iter()
-        .take(1000)
+        .skip(offset)
+        .take(limit)
         .map(|s| {
             serde_json::json!({
                 "session": s.session,
                 "model": s.model,
                 "harness": s.harness,
-                "worker": router.address(s.worker),
+                "worker": addresses.get(s.worker.0),
                 "kv_bytes": s.kv_bytes.round(),
                 "idle_ms": s.idle_ms,
                 "recompute_ms": s.recompute_ms.round(),
@@ -114,6 +158,7 @@ async fn sessions(State(shared): State<Shared>) -> impl IntoResponse {
         .collect();
     axum::Json(serde_json::json!({
         "count": total,
+        "offset": offset,
         "sessions": sessions,
         "idle_count": idle_count,
         "idle": idle,

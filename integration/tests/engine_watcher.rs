@@ -151,3 +151,37 @@ async fn engine_capacity_is_converted_at_the_filters_block_size() -> anyhow::Res
     assert_ne!(w["capacity_blocks"], 200_000 / 64);
     Ok(())
 }
+
+/// A worker whose engine is not up yet (here: never answered this sidecar's
+/// watcher) is marked down at its first failed scrape and never ranked; a
+/// worker that was up gets a second chance before it is (one slow scrape of
+/// a busy engine is no outage).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_is_not_up_yet_is_not_picked() -> anyhow::Result<()> {
+    let mut cluster = Cluster::start(ClusterOptions::default()).await?;
+    let absent = cluster.worker_names()[2].clone();
+    cluster.kill_worker_at(&absent)?;
+    // A new sidecar, whose watcher has never seen that worker up.
+    cluster.kill_sidecar()?;
+    cluster.restart_sidecar()?;
+    let took = wait_until(&cluster, &absent, "was marked down", |w| w["healthy"] == false).await?;
+    eprintln!("a worker never seen up marked down within {took:?}");
+    for s in 0..6 {
+        let reply = cluster
+            .chat(
+                &AgentSession::new(&format!("acme/early-{s}")).call(0),
+                &[("x-session-id", &format!("early-{s}"))],
+            )
+            .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let ranked = reply.saw_destination.unwrap_or_default();
+        assert!(!ranked.is_empty(), "not routed");
+        assert!(
+            !ranked.split(',').any(|d| d == absent),
+            "ranked a worker not up: {ranked}"
+        );
+    }
+    let log = cluster.sidecar.log();
+    assert_eq!(log.matches("worker marked down").count(), 1, "{log}");
+    Ok(())
+}

@@ -242,6 +242,9 @@ async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
                 "tokens_per_block": w.tokens_per_block,
                 "block_bytes": w.block_bytes,
                 "bytes_per_token": w.bytes_per_token,
+                "engine_waiting": w.engine_waiting,
+                "engine_running": w.engine_running,
+                "engine_kv_usage": w.engine_kv_usage,
             })
         })
         .collect();

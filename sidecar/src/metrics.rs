@@ -69,6 +69,10 @@ pub(crate) struct Metrics {
     worker_healthy: Family<WorkerLabel, Gauge>,
     worker_capacity_blocks: Family<WorkerLabel, Gauge>,
     worker_live_sessions: Family<WorkerLabel, Gauge>,
+    /// The engine's own figures, as its metrics say (absent until it does).
+    worker_engine_waiting: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    worker_engine_running: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    worker_engine_kv_usage: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     worker_events: Family<EventLabel, Counter>,
     sessions: Gauge,
     index_entries: Gauge,
@@ -261,6 +265,9 @@ impl Metrics {
             worker_healthy: Family::default(),
             worker_capacity_blocks: Family::default(),
             worker_live_sessions: Family::default(),
+            worker_engine_waiting: Family::default(),
+            worker_engine_running: Family::default(),
+            worker_engine_kv_usage: Family::default(),
             worker_events: Family::default(),
             sessions: Gauge::default(),
             index_entries: Gauge::default(),
@@ -330,6 +337,21 @@ impl Metrics {
             "worker_live_sessions",
             "Live sessions homed on each worker",
             m.worker_live_sessions.clone(),
+        );
+        registry.register(
+            "worker_engine_waiting",
+            "Requests each worker's engine reports queued (its metrics)",
+            m.worker_engine_waiting.clone(),
+        );
+        registry.register(
+            "worker_engine_running",
+            "Requests each worker's engine reports running (its metrics)",
+            m.worker_engine_running.clone(),
+        );
+        registry.register(
+            "worker_engine_kv_usage",
+            "Share of its KV cache each worker's engine reports in use, 0 to 1 (its metrics)",
+            m.worker_engine_kv_usage.clone(),
         );
         registry.register(
             "worker_events",
@@ -449,6 +471,13 @@ impl Metrics {
             self.worker_live_sessions
                 .get_or_create(&label)
                 .set(i64::from(w.live_sessions));
+            self.worker_engine_waiting.get_or_create(&label).set(w.engine_waiting);
+            if let Some(running) = w.engine_running {
+                self.worker_engine_running.get_or_create(&label).set(running);
+            }
+            if let Some(usage) = w.engine_kv_usage {
+                self.worker_engine_kv_usage.get_or_create(&label).set(usage);
+            }
         }
         let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         self.sessions.set(gauge(state.sessions));

@@ -13,13 +13,18 @@ use crate::clock::now_ms;
 use crate::engine_metrics::{self, EngineSnapshot};
 use crate::state::Shared;
 
-/// A worker is marked down after this many failed scrapes in a row.
+/// A worker is marked down after this many failed scrapes in a row (one
+/// slow scrape of a busy engine is no outage).
 const FAILURES_BEFORE_DOWN: u32 = 2;
 
 #[derive(Debug, Default)]
 struct Seen {
     last: Option<EngineSnapshot>,
     failures: u32,
+    /// A scrape has succeeded since the watcher started: until then one
+    /// failure marks the worker down (an engine still loading its model is
+    /// not picked), after it `FAILURES_BEFORE_DOWN` do.
+    up_once: bool,
 }
 
 /// Scrapes every worker's metrics each `interval`, feeding the router.
@@ -69,18 +74,21 @@ fn apply_scrape(shared: &Shared, address: &str, seen: &mut Seen, result: Result<
     match result {
         Err(err) => {
             seen.failures += 1;
-            if seen.failures == FAILURES_BEFORE_DOWN {
+            let limit = if seen.up_once { FAILURES_BEFORE_DOWN } else { 1 };
+            if seen.failures == limit {
                 warn!(worker = address, "worker marked down: metrics unreachable ({err})");
                 router.set_healthy(id, false);
                 shared.metrics.observe_worker_event("down");
             }
         }
         Ok(snapshot) => {
-            if seen.failures >= FAILURES_BEFORE_DOWN {
+            let limit = if seen.up_once { FAILURES_BEFORE_DOWN } else { 1 };
+            if seen.failures >= limit {
                 info!(worker = address, "worker back up");
                 shared.metrics.observe_worker_event("up");
             }
             seen.failures = 0;
+            seen.up_once = true;
             router.set_healthy(id, true);
             if let Some(before) = &seen.last
                 && engine_metrics::restarted(before, &snapshot)
@@ -95,6 +103,7 @@ fn apply_scrape(shared: &Shared, address: &str, seen: &mut Seen, result: Result<
             if let Some(waiting) = snapshot.waiting {
                 router.set_engine_waiting(id, waiting);
             }
+            router.set_engine_activity(id, snapshot.running, snapshot.kv_usage);
             if let Some(tokens) = snapshot.capacity_tokens {
                 router.set_engine_capacity_tokens(id, tokens);
             }

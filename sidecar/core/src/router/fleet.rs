@@ -46,6 +46,11 @@ pub struct WorkerView {
     /// model's learned bytes per token.
     pub block_bytes: u32,
     pub bytes_per_token: f64,
+    /// The engine's own queue, running requests and KV cache in use, from
+    /// its metrics.
+    pub engine_waiting: f64,
+    pub engine_running: Option<f64>,
+    pub engine_kv_usage: Option<f64>,
 }
 
 /// `WorkerLoad`: what a worker is busy with, from kvmesh's own picks and
@@ -69,6 +74,10 @@ pub struct WorkerLoad {
     pub active_kv_tokens: f64,
     /// The engine's own queue (from its metrics), in requests.
     pub engine_waiting: f64,
+    /// The engine's running requests and KV cache in use (0..=1), when its
+    /// metrics say.
+    pub engine_running: Option<f64>,
+    pub engine_kv_usage: Option<f64>,
 }
 
 /// Half-life of a worker's recent prefill, in ms.
@@ -196,8 +205,17 @@ impl Router {
     }
 
     /// The engine restarted or reset its cache: nothing is cached there.
+    /// The engine restarted or reset its cache: forget every block kvmesh
+    /// placed there, and the closed loop's corrections to its capacity (they
+    /// described a cache that is gone): the estimate starts again from the
+    /// engine's own figure.
     pub fn restart(&mut self, id: WorkerId) -> usize {
-        self.index.clear_worker(id)
+        let dropped = self.index.clear_worker(id);
+        if let Some(worker) = self.workers.get(id.0) {
+            let ceiling = worker.capacity_ceiling;
+            self.index.set_capacity(id, ceiling);
+        }
+        dropped
     }
 
     pub fn set_healthy(&mut self, id: WorkerId, healthy: bool) {
@@ -210,6 +228,16 @@ impl Router {
     pub fn set_engine_waiting(&mut self, id: WorkerId, waiting: f64) {
         if let Some(worker) = self.workers.get_mut(id.0) {
             worker.load.engine_waiting = waiting.max(0.0);
+        }
+    }
+
+    /// The engine's running requests and the share of its KV cache in use
+    /// (0..=1), as its metrics say: shown beside kvmesh's own view of the
+    /// worker, so an operator can compare the two.
+    pub fn set_engine_activity(&mut self, id: WorkerId, running: Option<f64>, kv_usage: Option<f64>) {
+        if let Some(worker) = self.workers.get_mut(id.0) {
+            worker.load.engine_running = running.map(|r| r.max(0.0));
+            worker.load.engine_kv_usage = kv_usage.map(|u| u.clamp(0.0, 1.0));
         }
     }
 
@@ -297,6 +325,9 @@ impl Router {
                 tokens_per_block: w.tokens_per_block,
                 block_bytes: w.block_bytes,
                 bytes_per_token: self.bytes_per_token(&w.model),
+                engine_waiting: w.load.engine_waiting,
+                engine_running: w.load.engine_running,
+                engine_kv_usage: w.load.engine_kv_usage,
             })
             .collect()
     }

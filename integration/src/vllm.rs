@@ -146,6 +146,8 @@ impl VllmWorker {
                     // capacity actually used.
                     ("VLLM_CPU_KVCACHE_SPACE".into(), "1".into()),
                     ("VLLM_NO_USAGE_STATS".into(), "1".into()),
+                    // With the `uni` executor below: see there.
+                    ("VLLM_ENABLE_V1_MULTIPROCESSING".into(), "0".into()),
                     ("DO_NOT_TRACK".into(), "1".into()),
                 ],
                 // vLLM logs to stdout; readiness is its /health.
@@ -240,7 +242,10 @@ fn server_args(model: &Path, port: u16, options: &VllmOptions) -> anyhow::Result
         "--enforce-eager",
         // The model runs in the engine-core process instead of a third
         // process of its own: one torch import (~1 GB, a third of the
-        // start's CPU) fewer, and the same engine.
+        // start's CPU) fewer; the scheduler and KV cache manager are the
+        // same. On CPU vLLM turns `uni` back into `mp` unless
+        // VLLM_ENABLE_V1_MULTIPROCESSING=0, and then no longer pins the
+        // model's OpenMP threads to a core.
         "--distributed-executor-backend",
         "uni",
         "--num-gpu-blocks-override",

@@ -101,7 +101,7 @@ impl VllmInstall {
 pub struct VllmWorker {
     pub addr: SocketAddr,
     pub process: Process,
-    /// From spawn to the first healthy `/health`.
+    /// From spawn to the first healthy `/health` (and `/v1/models`).
     pub ready_after: Duration,
 }
 
@@ -168,7 +168,11 @@ impl VllmWorker {
                     StartError::Other(error)
                 });
             }
-            if matches!(http_get(addr, "/health"), Ok((200, _))) {
+            // Healthy, and serving our model: not some other server that
+            // won the port after vLLM failed to bind it.
+            if matches!(http_get(addr, "/health"), Ok((200, _)))
+                && matches!(http_get(addr, "/v1/models"), Ok((200, body)) if body.contains(SERVED_MODEL))
+            {
                 return Ok(Self {
                     addr,
                     process,

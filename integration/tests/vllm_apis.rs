@@ -271,9 +271,23 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
         cluster.envoy_counter("wasmcustom.kvmesh.outcomes.with_usage").await?,
         requests
     );
-    // The sidecar's engine watcher scraped the real engines.
+    // The sidecar's engine watcher read each engine's capacity from
+    // `vllm:cache_config_info`: 128 blocks of 128 tokens.
     let workers = cluster.sidecar_workers().await?;
     eprintln!("sidecar /debug/workers: {}", serde_json::to_string(&workers)?);
+    for worker in &workers {
+        assert_eq!(
+            worker["engine_capacity_tokens"].as_u64(),
+            Some(128 * BLOCK_SIZE_TOKENS),
+            "{worker}"
+        );
+    }
+    // What the sidecar predicted against what the engines reported.
+    for prefix in ["kvmesh_predicted_cached", "kvmesh_reported_"] {
+        for (series, value) in cluster.sidecar_samples_at(cluster.sidecar_admin, prefix).await? {
+            eprintln!("sidecar {series} {value}");
+        }
+    }
     eprintln!("whole test {:?}", started.elapsed());
     Ok(())
 }

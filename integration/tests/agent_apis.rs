@@ -36,15 +36,23 @@ fn body(api: &str, repo: &str, turn: usize, stream: bool) -> Value {
                 );
                 messages.push(json!({"role": "tool", "tool_call_id": format!("c{t}"), "content": tool_result(t)}));
             }
-            json!({"model": "m", "messages": messages, "stream": stream, "stream_options": {"include_usage": true}})
+            let mut body = json!({"model": "m", "messages": messages, "stream": stream});
+            // Engines refuse stream options on a call that does not stream.
+            if stream {
+                body["stream_options"] = json!({"include_usage": true});
+            }
+            body
         }
         "/v1/completions" => {
             let mut prompt = system_prompt(repo);
             for t in 0..turn {
                 prompt.push_str(&tool_result(t));
             }
-            json!({"model": "m", "prompt": prompt, "stream": stream, "stream_options": {"include_usage": true},
-                   "user": format!("{repo}-user")})
+            let mut body = json!({"model": "m", "prompt": prompt, "stream": stream, "user": format!("{repo}-user")});
+            if stream {
+                body["stream_options"] = json!({"include_usage": true});
+            }
+            body
         }
         "/v1/responses" => {
             let mut input = vec![json!({"type": "message", "role": "user",

@@ -141,11 +141,20 @@ impl Call {
             .map_or(default_output_tokens, |n| {
                 u32::try_from(n.clamp(1, 4096)).unwrap_or(4096)
             });
+        let stream = body.get("stream").and_then(Value::as_bool) == Some(true);
+        // As vLLM answers (0.32, measured): stream options on a call that
+        // does not stream are an error, not ignored.
+        if !stream
+            && body.get("stream_options").is_some_and(|o| !o.is_null())
+            && matches!(api, Api::Chat | Api::Completions)
+        {
+            return Err("Stream options can only be defined when `stream=True`.".to_owned());
+        }
         Ok(Self {
             api,
             model,
             prompt,
-            stream: body.get("stream").and_then(Value::as_bool) == Some(true),
+            stream,
             include_usage: body.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true),
             output_tokens,
         })

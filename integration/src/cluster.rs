@@ -619,10 +619,11 @@ impl Cluster {
 
     /// Requests each vLLM worker has finished, by its own count
     /// (`vllm:request_success_total` over every finish reason).
+    /// A worker whose metrics cannot be read (killed, restarting) counts 0.
     pub async fn engine_requests_finished(&self) -> anyhow::Result<Vec<f64>> {
         let mut counts = Vec::new();
         for index in 0..self.workers.len() {
-            let text = self.worker_metrics(index).await?;
+            let text = self.worker_metrics(index).await.unwrap_or_default();
             counts.push(vllm::metric_sum(&text, "vllm:request_success_total").unwrap_or(0.0));
         }
         Ok(counts)
@@ -639,7 +640,10 @@ impl Cluster {
             let grew: Vec<usize> = (0..now.len())
                 .filter(|i| now[*i] > before.get(*i).copied().unwrap_or(0.0))
                 .collect();
-            let added: f64 = now.iter().sum::<f64>() - before.iter().sum::<f64>();
+            let added: f64 = grew
+                .iter()
+                .map(|i| now[*i] - before.get(*i).copied().unwrap_or(0.0))
+                .sum();
             match grew.as_slice() {
                 [one] if added == 1.0 => return Ok(*one),
                 [] => {}

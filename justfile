@@ -22,8 +22,12 @@ demo: build
     ./target/debug/kvmesh-demo
 
 # The whole suite, as CI runs it: formatting, lints, codegen drift, unit and end-to-end tests.
-test: check-fmt clippy check-codegen build
+test: check-fmt clippy check-codegen build setup-vllm
     cargo test --workspace --locked
+
+# Install the real vLLM (CPU build) into .tools/vllm and build its tiny model (docs/vllm.md).
+setup-vllm:
+    integration/vllm/setup.sh
 
 # Formatting must be clean.
 check-fmt:

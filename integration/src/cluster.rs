@@ -1,5 +1,6 @@
-//! A whole kvmesh deployment on loopback: N simulated workers, the sidecar and
-//! a real Envoy running the shipped configuration with the kvmesh filter.
+//! A whole kvmesh deployment on loopback: N workers (simulated, or real vLLM
+//! engines), the sidecar and a real Envoy running the shipped configuration
+//! with the kvmesh filter.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,13 +14,26 @@ use crate::envoy_config::{self, EnvoyOverrides};
 use crate::paths::{self, Profile};
 use crate::process::Process;
 use crate::redis::RedisServer;
+use crate::vllm::{self, VllmOptions, VllmWorker};
 
 const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What serves as a worker.
+#[derive(Debug, Clone, Default)]
+pub enum Engine {
+    /// `kvmesh-sim`, with `ClusterOptions::sim_args`.
+    #[default]
+    Sim,
+    /// A real vLLM (CPU build) per worker, serving the tiny model of
+    /// `./dev setup-vllm`; `ClusterOptions::sim_args` is unused.
+    Vllm(VllmOptions),
+}
 
 /// How to start a cluster.
 #[derive(Debug, Clone)]
 pub struct ClusterOptions {
     pub workers: usize,
+    pub engine: Engine,
     /// Merged over the shipped plugin configuration.
     pub plugin: Value,
     /// Extra `kvmesh-sim` flags (e.g. timing).
@@ -50,6 +64,7 @@ impl Default for ClusterOptions {
     fn default() -> Self {
         Self {
             workers: 3,
+            engine: Engine::Sim,
             plugin: serde_json::json!({}),
             // Instant engines: routing tests measure where calls go, not GPU time.
             sim_args: vec!["--time-scale".into(), "0".into()],
@@ -71,7 +86,7 @@ impl Default for ClusterOptions {
     }
 }
 
-/// One simulated worker.
+/// One worker (a `kvmesh-sim`, or a vLLM whose process group stops with it).
 #[derive(Debug)]
 pub struct Worker {
     pub addr: SocketAddr,
@@ -164,6 +179,7 @@ pub struct Cluster {
     profile: Profile,
     sidecar_args: Vec<String>,
     sim_args: Vec<String>,
+    engine: Engine,
     http: reqwest::Client,
 }
 
@@ -244,13 +260,56 @@ pub fn start_sidecar(
     Ok((sidecar, addr_after(&line, "grpc=")?, addr_after(&line, "admin=")?))
 }
 
+/// Starts `count` vLLM workers at once, stopping those that started if one
+/// fails. A start is mostly CPU-bound imports (20-45 s alone on 2 cores), so
+/// starts sharing the cores each get the time of one start per pair of them:
+/// three at once took 132 s with other builds running (docs/vllm.md).
+fn start_vllm_workers(count: usize, options: &VllmOptions, dir: &std::path::Path) -> anyhow::Result<Vec<Worker>> {
+    let shared = VllmOptions {
+        ready_timeout: options.ready_timeout * u32::try_from(count.div_ceil(2).max(1))?,
+        ..options.clone()
+    };
+    let options = &shared;
+    let started: Vec<anyhow::Result<VllmWorker>> = std::thread::scope(|scope| {
+        let starts: Vec<_> = (0..count)
+            .map(|i| scope.spawn(move || VllmWorker::start(&format!("worker{i}"), dir, options)))
+            .collect();
+        starts
+            .into_iter()
+            .map(|start| {
+                start
+                    .join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a vLLM start panicked")))
+            })
+            .collect()
+    });
+    let mut workers = Vec::new();
+    for worker in started {
+        let worker = worker?;
+        eprintln!("vLLM {} ready in {:.1?}", worker.addr, worker.ready_after);
+        workers.push(Worker {
+            addr: worker.addr,
+            process: worker.process,
+        });
+    }
+    Ok(workers)
+}
+
 impl Cluster {
     pub async fn start(options: ClusterOptions) -> anyhow::Result<Self> {
         let dir = scratch_dir()?;
         let mut workers = Vec::new();
-        for i in 0..options.workers {
-            let listen = "127.0.0.1:0".parse()?;
-            workers.push(spawn_worker(i, listen, &options.sim_args, options.profile, &dir)?);
+        match &options.engine {
+            Engine::Sim => {
+                for i in 0..options.workers {
+                    let listen = "127.0.0.1:0".parse()?;
+                    workers.push(spawn_worker(i, listen, &options.sim_args, options.profile, &dir)?);
+                }
+            }
+            Engine::Vllm(vllm_options) => {
+                let (count, vllm_options, at) = (options.workers, vllm_options.clone(), dir.clone());
+                workers = tokio::task::spawn_blocking(move || start_vllm_workers(count, &vllm_options, &at)).await??;
+            }
         }
         let addrs: Vec<SocketAddr> = workers.iter().map(|w| w.addr).collect();
         let mut options = options;
@@ -347,6 +406,7 @@ impl Cluster {
             profile: options.profile,
             sidecar_args: options.sidecar_args.clone(),
             sim_args: options.sim_args.clone(),
+            engine: options.engine.clone(),
             http,
         })
     }
@@ -529,9 +589,67 @@ impl Cluster {
     /// cache starts empty, as a restarted engine's does.
     pub fn restart_worker(&mut self, index: usize) -> anyhow::Result<()> {
         let addr = self.workers.get(index).context("no such worker")?.addr;
-        let worker = spawn_worker(index, addr, &self.sim_args, self.profile, &self.dir)?;
+        let worker = match &self.engine {
+            Engine::Sim => spawn_worker(index, addr, &self.sim_args, self.profile, &self.dir)?,
+            Engine::Vllm(options) => {
+                let name = format!("worker{index}-restarted");
+                let vllm = VllmWorker::start_at(&name, &self.dir, addr.port(), options)?;
+                Worker {
+                    addr: vllm.addr,
+                    process: vllm.process,
+                }
+            }
+        };
         self.workers[index] = worker;
         Ok(())
+    }
+
+    /// Worker `index`'s own Prometheus `/metrics` text.
+    pub async fn worker_metrics(&self, index: usize) -> anyhow::Result<String> {
+        let addr = self.workers.get(index).context("no such worker")?.addr;
+        Ok(self
+            .http
+            .get(format!("http://{addr}/metrics"))
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?)
+    }
+
+    /// Requests each vLLM worker has finished, by its own count
+    /// (`vllm:request_success_total` over every finish reason).
+    pub async fn engine_requests_finished(&self) -> anyhow::Result<Vec<f64>> {
+        let mut counts = Vec::new();
+        for index in 0..self.workers.len() {
+            let text = self.worker_metrics(index).await?;
+            counts.push(vllm::metric_sum(&text, "vllm:request_success_total").unwrap_or(0.0));
+        }
+        Ok(counts)
+    }
+
+    /// Which worker finished exactly one more request than in `before`
+    /// (`engine_requests_finished`): how a test learns where a call to
+    /// real engines went, since vLLM does not name itself in a reply. The
+    /// count can follow the reply by a moment, so it is polled.
+    pub async fn engine_that_served(&self, before: &[f64], timeout: Duration) -> anyhow::Result<usize> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let now = self.engine_requests_finished().await?;
+            let grew: Vec<usize> = (0..now.len())
+                .filter(|i| now[*i] > before.get(*i).copied().unwrap_or(0.0))
+                .collect();
+            let added: f64 = now.iter().sum::<f64>() - before.iter().sum::<f64>();
+            match grew.as_slice() {
+                [one] if added == 1.0 => return Ok(*one),
+                [] => {}
+                _ => bail!("more than one request finished: {before:?} -> {now:?}"),
+            }
+            if Instant::now() > deadline {
+                bail!("no worker finished the request within {timeout:?}: {before:?} -> {now:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Starts a fresh sidecar on the same gRPC address as before.

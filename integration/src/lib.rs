@@ -1,6 +1,6 @@
-//! Test and demo harness: starts real processes (simulated workers, the
-//! kvmesh sidecar, a real Envoy loading the kvmesh Wasm filter) on ephemeral
-//! loopback ports, talks to them, and stops them by pid.
+//! Test and demo harness: starts real processes (simulated workers or real
+//! vLLM engines, the kvmesh sidecar, a real Envoy loading the kvmesh Wasm
+//! filter) on ephemeral loopback ports, talks to them, and stops them by pid.
 #![forbid(unsafe_code)]
 
 pub mod cluster;
@@ -9,7 +9,8 @@ pub mod istio;
 pub mod paths;
 pub mod process;
 pub mod redis;
+pub mod vllm;
 pub mod workload;
 
-pub use cluster::{Cluster, ClusterOptions, Reply};
+pub use cluster::{Cluster, ClusterOptions, Engine, Reply};
 pub use workload::AgentSession;

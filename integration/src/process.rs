@@ -1,5 +1,7 @@
 //! A child process started in its own session (`setsid`), whose readiness is
-//! a line it prints, and which is stopped by its pid when dropped.
+//! a line it prints, and which is stopped by its pid when dropped. One that
+//! forks helpers of its own (vLLM's engine core and worker) can be stopped
+//! with its whole process group, whose id is its pid.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -19,21 +21,53 @@ pub struct Process {
     log: PathBuf,
     /// In a mutex only so a cluster can be shared between test tasks.
     lines: std::sync::Mutex<mpsc::Receiver<String>>,
+    /// Signal the process group (`-pid`), not only the process.
+    group: bool,
+}
+
+/// How to start a process, beyond its program and arguments.
+#[derive(Debug, Clone, Default)]
+pub struct SpawnOptions {
+    /// Added to the inherited environment.
+    pub env: Vec<(String, String)>,
+    /// Write stdout to the log with stderr (for a program that logs to
+    /// stdout and signals readiness some other way: no `wait_for_line`).
+    pub stdout_to_log: bool,
+    /// Stop and kill the whole process group, so that children the
+    /// process forked go with it even when it is killed first.
+    pub group: bool,
 }
 
 impl Process {
     /// Starts `program args` under `setsid`, stdout captured line by line and
     /// stderr written to `log_dir/<name>.log`.
     pub fn spawn(name: &str, program: &Path, args: &[String], log_dir: &Path) -> anyhow::Result<Self> {
+        Self::spawn_with(name, program, args, &SpawnOptions::default(), log_dir)
+    }
+
+    /// As `spawn`, with `options`.
+    pub fn spawn_with(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        options: &SpawnOptions,
+        log_dir: &Path,
+    ) -> anyhow::Result<Self> {
         let log = log_dir.join(format!("{name}.log"));
         let stderr = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let stdout = if options.stdout_to_log {
+            Stdio::from(stderr.try_clone().context("sharing the log")?)
+        } else {
+            Stdio::piped()
+        };
         // `setsid` execs the program in place (same pid) because the test
         // process's child is never a process-group leader.
         let mut child = Command::new("setsid")
             .arg(program)
             .args(args)
+            .envs(options.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
+            .stdout(stdout)
             .stderr(Stdio::from(stderr))
             .spawn()
             .with_context(|| format!("starting {}", program.display()))?;
@@ -52,6 +86,7 @@ impl Process {
             child,
             log,
             lines: std::sync::Mutex::new(lines),
+            group: options.group,
         })
     }
 
@@ -122,28 +157,58 @@ impl Process {
         nix::sys::signal::kill(pid, signal).with_context(|| format!("kill -{signal} {pid}"))
     }
 
-    /// Kills the process (SIGKILL) and reaps it.
+    /// Sends `signal` to this process's group (`-pid`): it and every
+    /// process it forked. `setsid` made the group's id the pid.
+    fn signal_group(&self, signal: Option<Signal>) -> nix::Result<()> {
+        let pid = Pid::from_raw(i32::try_from(self.pid()).map_err(|_| nix::errno::Errno::ESRCH)?);
+        nix::sys::signal::killpg(pid, signal)
+    }
+
+    /// Sends `signal` to what this process stops with: its group when
+    /// started with `SpawnOptions::group`, else itself.
+    fn signal_stop(&self, signal: Signal) {
+        if self.group {
+            let _ = self.signal_group(Some(signal));
+        } else {
+            let _ = self.signal(signal);
+        }
+    }
+
+    /// Kills the process (SIGKILL; its group too with
+    /// `SpawnOptions::group`) and reaps it.
     pub fn kill(&mut self) -> anyhow::Result<()> {
         // Resume first: a stopped process still dies of SIGKILL, but say so.
-        let _ = self.signal(Signal::SIGCONT);
+        self.signal_stop(Signal::SIGCONT);
+        if self.group {
+            // Before reaping: while the leader is unreaped its pid cannot
+            // name anyone else's group.
+            let _ = self.signal_group(Some(Signal::SIGKILL));
+        }
         self.child.kill().context("killing")?;
         self.child.wait().context("reaping")?;
         Ok(())
     }
 
     /// Asks the process to stop (SIGTERM), then kills it if it lingers.
+    /// With `SpawnOptions::group`, the same for every process of its group.
     pub fn stop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(Some(_))) {
+        if !self.group && matches!(self.child.try_wait(), Ok(Some(_))) {
             return;
         }
-        let _ = self.signal(Signal::SIGCONT);
-        let _ = self.signal(Signal::SIGTERM);
+        self.signal_stop(Signal::SIGCONT);
+        self.signal_stop(Signal::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
+            let leader_gone = matches!(self.child.try_wait(), Ok(Some(_)));
+            // A group is gone when signal 0 finds no member. While one
+            // lives, the group id stays its and cannot be reused.
+            if leader_gone && (!self.group || self.signal_group(None).is_err()) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
+        }
+        if self.group {
+            let _ = self.signal_group(Some(Signal::SIGKILL));
         }
         let _ = self.child.kill();
         let _ = self.child.wait();

@@ -9,7 +9,8 @@
 //!
 //! - pure, no I/O and no tokio, public so fuzz targets and tools can reuse
 //!   them: [`engine_metrics`] (an engine's Prometheus text into load and
-//!   capacity), [`snapshot`] (the router snapshot's byte codec), [`bounds`]
+//!   capacity), [`kv_events`] (an engine's KV cache events decoded, and its
+//!   resident blocks followed from them), [`snapshot`] (the router snapshot's byte codec), [`bounds`]
 //!   (the wire bounds a Pick or Outcome must keep), [`wire`] (proto messages
 //!   into core types and back). They build without the `server` feature.
 //! - shared, below every edge: `state` (`Shared`, its lock order, `pick` and
@@ -26,6 +27,7 @@
 
 pub mod bounds;
 pub mod engine_metrics;
+pub mod kv_events;
 pub mod snapshot;
 pub mod wire;
 

@@ -24,7 +24,7 @@ pub use insight::{
 };
 pub use lru::{Lru, LruMap};
 pub use router::{
-    Cost, Decision, Holdings, Outcome, PickInput, Reason, Router, RouterConfig, Snapshot, WorkerId, WorkerLoad,
+    Cost, Decision, EngineCacheChange, EngineCacheEffect, Holdings, Outcome, PickInput, Reason, Router, RouterConfig, Snapshot, WorkerId, WorkerLoad,
     WorkerState, WorkerView,
 };
 pub use sessions::SessionTable;

@@ -220,3 +220,46 @@ impl Drop for Process {
         self.stop();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Gone, or a zombie waiting for init to reap it.
+    fn is_gone(pid: u32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+            stat.rsplit(')')
+                .next()
+                .is_some_and(|rest| rest.trim_start().starts_with('Z'))
+        })
+    }
+
+    #[test]
+    fn stopping_a_group_also_stops_the_children_it_forked() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("kvmesh-process-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        // A shell that forks a child, the way vLLM's
+        // API server forks its engine core.
+        let mut process = Process::spawn_with(
+            "forker",
+            Path::new("sh"),
+            &["-c".to_owned(), "sleep 300 & echo child $!; wait".to_owned()],
+            &SpawnOptions {
+                group: true,
+                ..SpawnOptions::default()
+            },
+            &dir,
+        )?;
+        let line = process.wait_for_line("child ", Duration::from_secs(10))?;
+        let child: u32 = line.trim_start_matches("child ").trim().parse()?;
+        assert!(!is_gone(child));
+        drop(process);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !is_gone(child) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(is_gone(child), "the forked child {child} outlived its group's stop");
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+}

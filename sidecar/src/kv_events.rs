@@ -3,7 +3,7 @@
 //! blocks followed from them. Pure: no sockets, no tokio; the subscriber is
 //! the `kv_subscriber` edge, and the fuzz target feeds this module directly.
 //!
-//! The wire, as vLLM 0.32 sends it (fixtures in `tests/fixtures/kv_events`):
+//! The wire, as vLLM 0.32 sends it (fixtures in `tests/fixtures/kv_events`, tests in `tests/kv_events.rs`):
 //! frames `[topic, seq as 8 bytes big-endian, payload]`, the payload a
 //! msgpack array `[ts, [event, …], dp_rank]` (msgspec `array_like`, the rank
 //! left out when unset), each event a map tagged by `"type"`: `BlockStored`
@@ -573,7 +573,3 @@ impl EngineCache {
         applied
     }
 }
-
-#[cfg(test)]
-#[path = "kv_events_tests.rs"]
-mod tests;

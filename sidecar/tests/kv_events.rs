@@ -2,7 +2,9 @@
 //! 12 blocks of 128 tokens, seven completions then `/reset_prefix_cache`
 //! and one more), and against hand-made hostile input.
 
-use super::*;
+#![allow(clippy::unwrap_used, clippy::panic)] // a test fails loudly
+
+use kvmesh_sidecar::kv_events::*;
 
 /// A fixture: each frame as a 4-byte big-endian length and its bytes.
 fn frames(bytes: &[u8]) -> Vec<Vec<u8>> {
@@ -17,14 +19,14 @@ fn frames(bytes: &[u8]) -> Vec<Vec<u8>> {
 }
 
 const FIXTURES: [&[u8]; 8] = [
-    include_bytes!("../tests/fixtures/kv_events/vllm-0.32-seq000.frames"),
-    include_bytes!("../tests/fixtures/kv_events/vllm-0.32-seq001.frames"),
-    include_bytes!("../tests/fixtures/kv_events/vllm-0.32-seq002.frames"),
-    include_bytes!("../tests/fixtures/kv_events/vllm-0.32-seq003.frames"),
-    include_bytes!("../tests/fixtures/kv_events/vllm-0.32-seq004.frames"),
-    include_bytes!("../tests/fixtures/kv_events/vllm-0.32-seq005.frames"),
-    include_bytes!("../tests/fixtures/kv_events/vllm-0.32-seq006.frames"),
-    include_bytes!("../tests/fixtures/kv_events/vllm-0.32-seq007.frames"),
+    include_bytes!("fixtures/kv_events/vllm-0.32-seq000.frames"),
+    include_bytes!("fixtures/kv_events/vllm-0.32-seq001.frames"),
+    include_bytes!("fixtures/kv_events/vllm-0.32-seq002.frames"),
+    include_bytes!("fixtures/kv_events/vllm-0.32-seq003.frames"),
+    include_bytes!("fixtures/kv_events/vllm-0.32-seq004.frames"),
+    include_bytes!("fixtures/kv_events/vllm-0.32-seq005.frames"),
+    include_bytes!("fixtures/kv_events/vllm-0.32-seq006.frames"),
+    include_bytes!("fixtures/kv_events/vllm-0.32-seq007.frames"),
 ];
 
 fn batch(fixture: &[u8]) -> Batch {

@@ -37,13 +37,14 @@ pub struct EngineCacheEffect {
 
 impl Router {
     /// Applies one batch of worker `id`'s KV events. A clear wipes the
-    /// worker as a restart does. Each removal evicts the worker's oldest
-    /// blocks in step with the engine, `removed × engine tokens per block /
-    /// tokens per kvmesh block` of them (fractions carried to the next
-    /// batch), instead of waiting for a miss to shrink the estimate; but
-    /// never below the engine's own resident blocks converted the same way:
-    /// an index already held to its capacity has evicted on insert, and
-    /// evicting again for the same removal would empty it.
+    /// worker as a restart does. Removals evict the worker's oldest blocks
+    /// in step with the engine, instead of waiting for a miss to shrink the
+    /// estimate: down to the engine's resident blocks converted to kvmesh
+    /// blocks (at `engine tokens per block / tokens per kvmesh block`) when
+    /// the events know them; else `removed` converted the same way
+    /// (fractions carried to the next batch). Never more: an index already
+    /// held to the capacity evicted on insert, and evicting again for the
+    /// same removal would empty it.
     pub fn engine_events(&mut self, id: WorkerId, change: &EngineCacheChange) -> EngineCacheEffect {
         let mut effect = EngineCacheEffect::default();
         if id.0 >= self.workers.len() {
@@ -75,10 +76,20 @@ impl Router {
         worker.removal_carry -= due;
         let due = due as usize;
         let len = self.index.len(id);
-        let floor = change
-            .resident_blocks
-            .map_or(0, |resident| (resident as f64 * per_engine_block).ceil() as usize);
-        effect.evicted = self.index.drop_oldest(id, due.min(len.saturating_sub(floor)));
+        let evict = match change.resident_blocks {
+            // The engine is evicting, so it is full: it holds exactly its
+            // resident blocks, and the index can hold no more than those
+            // converted. It placed more (a prompt's partial tail block,
+            // which the engine never caches; the template's tokens): they go.
+            Some(resident) if change.removed_blocks > 0 => {
+                len.saturating_sub((resident as f64 * per_engine_block).ceil() as usize)
+            }
+            // Not evicting: nothing to follow.
+            Some(_) => 0,
+            // Residency unknown (a lost message): follow the removals alone.
+            None => due,
+        };
+        effect.evicted = self.index.drop_oldest(id, evict);
         effect
     }
 }

@@ -52,13 +52,32 @@ fn a_removal_evicts_the_oldest_blocks_converted_to_kvmesh_blocks() {
 fn removals_never_take_the_index_below_the_engines_resident_blocks() {
     let mut r = placed(20);
     // The engine holds 5 blocks of 128 (10 of ours) after removing 8 (16 of
-    // ours): only 20 - 10 = 10 go.
+    // ours due): 20 - 10 = 10 go, not 16.
     assert_eq!(r.engine_events(W, &removed(8, 128, Some(5))).evicted, 10);
     assert_eq!(r.workers()[0].cached_blocks, 10);
     assert_eq!(r.workers()[0].engine_resident_blocks, Some(5));
     // At the floor already: a further removal evicts nothing.
     assert_eq!(r.engine_events(W, &removed(2, 128, Some(5))).evicted, 0);
     assert_eq!(r.workers()[0].cached_blocks, 10);
+}
+
+#[test]
+fn an_evicting_engine_holds_the_index_to_its_resident_blocks() {
+    // One removal is 2 of our blocks due, but the engine, full, holds 4 of
+    // 128 tokens (8 of ours): the index had placed more than that (a
+    // prompt's partial tail, which the engine never caches), and goes to 8.
+    let mut r = placed(20);
+    assert_eq!(r.engine_events(W, &removed(1, 128, Some(4))).evicted, 12);
+    assert_eq!(r.workers()[0].cached_blocks, 8);
+    // Stores alone (the engine not evicting) evict nothing, even above it.
+    let mut r = placed(20);
+    let stored = EngineCacheChange {
+        stored_blocks: 2,
+        engine_block_tokens: 128,
+        resident_blocks: Some(4),
+        ..EngineCacheChange::default()
+    };
+    assert_eq!(r.engine_events(W, &stored).evicted, 0);
 }
 
 #[test]

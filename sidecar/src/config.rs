@@ -208,9 +208,7 @@ pub(crate) fn parse_window(text: &str) -> Result<std::time::Duration, String> {
 /// `WORKER=tcp://IP:PORT`: the worker's ip:port and where to bind its SUB
 /// socket (an IP literal: the socket binds, it resolves nothing).
 fn parse_kv_events(text: &str) -> Result<(SocketAddr, SocketAddr), String> {
-    let (worker, endpoint) = text
-        .split_once('=')
-        .ok_or("expected WORKER=tcp://IP:PORT")?;
+    let (worker, endpoint) = text.split_once('=').ok_or("expected WORKER=tcp://IP:PORT")?;
     let worker = worker
         .trim()
         .parse::<SocketAddr>()

@@ -93,7 +93,11 @@ async fn read(shared: Shared, worker: String, mut socket: SubSocket) {
             router.engine_events(id, &change)
         };
         if effect.wiped > 0 {
-            info!(worker, dropped = effect.wiped, "engine cleared its cache: its blocks are forgotten");
+            info!(
+                worker,
+                dropped = effect.wiped,
+                "engine cleared its cache: its blocks are forgotten"
+            );
         }
         shared
             .metrics

@@ -120,9 +120,21 @@ fn encode(value: &impl serde::Serialize) -> Vec<u8> {
 #[test]
 fn the_older_positional_events_bytes_hashes_and_offloaded_media_decode() {
     #[derive(serde::Serialize)]
-    struct Positional(&'static str, Vec<u64>, Option<u64>, Vec<u32>, u32, Option<u32>, &'static str);
+    struct Positional(
+        &'static str,
+        Vec<u64>,
+        Option<u64>,
+        Vec<u32>,
+        u32,
+        Option<u32>,
+        &'static str,
+    );
     let stored = Positional("BlockStored", vec![7, 8], Some(6), vec![1; 32], 16, None, "GPU");
-    let payload = encode(&(1.5f64, (stored, ("BlockRemoved", [7u64], "CPU"), ("AllBlocksCleared",)), 0));
+    let payload = encode(&(
+        1.5f64,
+        (stored, ("BlockRemoved", [7u64], "CPU"), ("AllBlocksCleared",)),
+        0,
+    ));
     let b = decode(&[b"", &5u64.to_be_bytes(), &payload]);
     assert_eq!(
         b.map(|b| b.events),
@@ -188,10 +200,7 @@ fn hostile_messages_are_refused_not_panicked_on() {
     let seq = 0u64.to_be_bytes();
     assert_eq!(decode(&[b"kv", &seq]), Err(DecodeError::Frames(2)));
     assert_eq!(decode(&[b"kv", b"1234", b""]), Err(DecodeError::Sequence(4)));
-    assert_eq!(
-        decode(&[&[b'x'; 300], &seq, b""]),
-        Err(DecodeError::Topic(300))
-    );
+    assert_eq!(decode(&[&[b'x'; 300], &seq, b""]), Err(DecodeError::Topic(300)));
     let big = vec![0u8; MAX_PAYLOAD_BYTES + 1];
     assert_eq!(
         decode(&[b"kv", &seq, &big]),

@@ -91,7 +91,7 @@ fuzz-each seconds corpus:
     #!/usr/bin/env bash
     set -euo pipefail
     cd fuzz
-    for target in request usage pick_report engine_metrics snapshot; do
+    for target in request usage pick_report engine_metrics snapshot kv_events; do
         # CI writes new inputs to a scratch directory, not the committed corpus.
         dirs=(corpus/$target)
         if [ "{{corpus}}" = scratch ]; then dirs=("$(mktemp -d)" corpus/$target); fi

@@ -58,6 +58,9 @@ pub struct ClusterOptions {
     /// The Wasm module Envoy loads instead of the release build of the
     /// filter (e.g. `paths::crash_test_wasm`).
     pub filter_wasm: Option<PathBuf>,
+    /// With vLLM workers: each publishes its KV events to an endpoint of its
+    /// own, which the sidecar binds (`--kv-events`). Ignored for the sim.
+    pub kv_events: bool,
 }
 
 impl Default for ClusterOptions {
@@ -82,6 +85,7 @@ impl Default for ClusterOptions {
             envoy_template: None,
             filter_wasm: None,
             sidecar_replicas: 1,
+            kv_events: false,
         }
     }
 }
@@ -180,6 +184,9 @@ pub struct Cluster {
     sidecar_args: Vec<String>,
     sim_args: Vec<String>,
     engine: Engine,
+    /// Each vLLM worker's KV event endpoint (`ClusterOptions::kv_events`),
+    /// kept for its restart.
+    pub kv_endpoints: Vec<Option<String>>,
     http: reqwest::Client,
 }
 
@@ -264,15 +271,32 @@ pub fn start_sidecar(
 /// fails. A start is mostly CPU-bound imports (20-45 s alone on 2 cores), so
 /// starts sharing the cores each get the time of one start per pair of them:
 /// three at once took 132 s with other builds running (docs/vllm.md).
-fn start_vllm_workers(count: usize, options: &VllmOptions, dir: &std::path::Path) -> anyhow::Result<Vec<Worker>> {
+/// `kv_endpoints[i]`, when given, is worker `i`'s KV event endpoint.
+fn start_vllm_workers(
+    count: usize,
+    options: &VllmOptions,
+    kv_endpoints: &[Option<String>],
+    dir: &std::path::Path,
+) -> anyhow::Result<Vec<Worker>> {
     let shared = VllmOptions {
         ready_timeout: options.ready_timeout * u32::try_from(count.div_ceil(2).max(1))?,
         ..options.clone()
     };
-    let options = &shared;
+    let per_worker: Vec<VllmOptions> = (0..count)
+        .map(|i| VllmOptions {
+            kv_events_endpoint: kv_endpoints
+                .get(i)
+                .cloned()
+                .flatten()
+                .or_else(|| shared.kv_events_endpoint.clone()),
+            ..shared.clone()
+        })
+        .collect();
     let started: Vec<anyhow::Result<VllmWorker>> = std::thread::scope(|scope| {
-        let starts: Vec<_> = (0..count)
-            .map(|i| scope.spawn(move || VllmWorker::start(&format!("worker{i}"), dir, options)))
+        let starts: Vec<_> = per_worker
+            .iter()
+            .enumerate()
+            .map(|(i, options)| scope.spawn(move || VllmWorker::start(&format!("worker{i}"), dir, options)))
             .collect();
         starts
             .into_iter()
@@ -299,6 +323,7 @@ impl Cluster {
     pub async fn start(options: ClusterOptions) -> anyhow::Result<Self> {
         let dir = scratch_dir()?;
         let mut workers = Vec::new();
+        let mut kv_endpoints: Vec<Option<String>> = Vec::new();
         match &options.engine {
             Engine::Sim => {
                 for i in 0..options.workers {
@@ -307,12 +332,29 @@ impl Cluster {
                 }
             }
             Engine::Vllm(vllm_options) => {
+                if options.kv_events {
+                    // vLLM connects to the endpoint and the sidecar binds it
+                    // once the workers' addresses are known: a port free now.
+                    for _ in 0..options.workers {
+                        kv_endpoints.push(Some(format!("tcp://127.0.0.1:{}", vllm::free_port()?)));
+                    }
+                }
                 let (count, vllm_options, at) = (options.workers, vllm_options.clone(), dir.clone());
-                workers = tokio::task::spawn_blocking(move || start_vllm_workers(count, &vllm_options, &at)).await??;
+                let endpoints = kv_endpoints.clone();
+                workers =
+                    tokio::task::spawn_blocking(move || start_vllm_workers(count, &vllm_options, &endpoints, &at))
+                        .await??;
             }
         }
         let addrs: Vec<SocketAddr> = workers.iter().map(|w| w.addr).collect();
         let mut options = options;
+        for (worker, endpoint) in workers.iter().zip(&kv_endpoints) {
+            if let Some(endpoint) = endpoint {
+                options
+                    .sidecar_args
+                    .extend(["--kv-events".to_owned(), format!("{}={endpoint}", worker.addr)]);
+            }
+        }
         let redis = if options.redis {
             let server = RedisServer::start(&dir)?;
             options.sidecar_args.extend(["--redis".to_owned(), server.url()]);
@@ -407,6 +449,7 @@ impl Cluster {
             sidecar_args: options.sidecar_args.clone(),
             sim_args: options.sim_args.clone(),
             engine: options.engine.clone(),
+            kv_endpoints,
             http,
         })
     }
@@ -593,7 +636,16 @@ impl Cluster {
             Engine::Sim => spawn_worker(index, addr, &self.sim_args, self.profile, &self.dir)?,
             Engine::Vllm(options) => {
                 let name = format!("worker{index}-restarted");
-                let vllm = VllmWorker::start_at(&name, &self.dir, addr.port(), options)?;
+                let options = VllmOptions {
+                    kv_events_endpoint: self
+                        .kv_endpoints
+                        .get(index)
+                        .cloned()
+                        .flatten()
+                        .or_else(|| options.kv_events_endpoint.clone()),
+                    ..options.clone()
+                };
+                let vllm = VllmWorker::start_at(&name, &self.dir, addr.port(), &options)?;
                 Worker {
                     addr: vllm.addr,
                     process: vllm.process,

@@ -43,6 +43,9 @@ pub struct VllmOptions {
     pub max_num_seqs: Option<u32>,
     /// More `api_server` flags.
     pub extra_args: Vec<String>,
+    /// More environment, e.g. `VLLM_SERVER_DEV_MODE=1` for
+    /// `/reset_prefix_cache`.
+    pub extra_env: Vec<(String, String)>,
     /// How long the start may take before it is a failure. Measured on 2
     /// shared cores: 21-45 s warm, over 2 minutes on the first start after
     /// an install while Python compiles the bytecode (docs/vllm.md).
@@ -58,6 +61,7 @@ impl Default for VllmOptions {
             priority_scheduling: false,
             max_num_seqs: None,
             extra_args: Vec::new(),
+            extra_env: Vec::new(),
             ready_timeout: Duration::from_secs(90),
         }
     }
@@ -138,7 +142,7 @@ impl VllmWorker {
             &install.python,
             &server_args(&install.model, port, options)?,
             &SpawnOptions {
-                env: vec![
+                env: [
                     // Nothing may come from a hub: the model is local.
                     ("HF_HUB_OFFLINE".into(), "1".into()),
                     ("TRANSFORMERS_OFFLINE".into(), "1".into()),
@@ -149,7 +153,10 @@ impl VllmWorker {
                     // With the `uni` executor below: see there.
                     ("VLLM_ENABLE_V1_MULTIPROCESSING".into(), "0".into()),
                     ("DO_NOT_TRACK".into(), "1".into()),
-                ],
+                ]
+                .into_iter()
+                .chain(options.extra_env.iter().cloned())
+                .collect(),
                 // vLLM logs to stdout; readiness is its /health.
                 stdout_to_log: true,
                 group: true,

@@ -245,6 +245,8 @@ async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
                 "engine_waiting": w.engine_waiting,
                 "engine_running": w.engine_running,
                 "engine_kv_usage": w.engine_kv_usage,
+                "engine_resident_blocks": w.engine_resident_blocks,
+                "engine_block_tokens": w.engine_block_tokens,
             })
         })
         .collect();

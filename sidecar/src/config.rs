@@ -64,6 +64,19 @@ pub struct Args {
     )]
     pub(crate) worker_dns: Vec<String>,
 
+    /// Subscribe to a worker's KV cache events (vLLM's ZeroMQ publisher):
+    /// WORKER=tcp://IP:PORT binds a SUB socket there, which the engine's
+    /// `--kv-events-config` endpoint connects to. Port 0 binds a free port;
+    /// every bound endpoint is printed on stdout. Repeat the flag, or give a
+    /// comma-separated list.
+    #[arg(
+        long = "kv-events",
+        env = "KVMESH_KV_EVENTS",
+        value_name = "WORKER=tcp://IP:PORT",
+        value_delimiter = ','
+    )]
+    pub(crate) kv_events: Vec<String>,
+
     /// Seconds between DNS re-resolutions of --worker-dns [default: 10].
     #[arg(long, env = "KVMESH_DNS_INTERVAL_SECS", value_name = "SECS")]
     pub(crate) dns_interval_secs: Option<u64>,
@@ -192,6 +205,22 @@ pub(crate) fn parse_window(text: &str) -> Result<std::time::Duration, String> {
     Ok(std::time::Duration::from_secs(n.saturating_mul(seconds)))
 }
 
+/// `WORKER=tcp://IP:PORT`: the worker's ip:port and where to bind its SUB
+/// socket (an IP literal: the socket binds, it resolves nothing).
+fn parse_kv_events(text: &str) -> Result<(SocketAddr, SocketAddr), String> {
+    let (worker, endpoint) = text.split_once('=').ok_or("expected WORKER=tcp://IP:PORT")?;
+    let worker = worker
+        .trim()
+        .parse::<SocketAddr>()
+        .map_err(|_| format!("worker {worker:?} is not a literal ip:port"))?;
+    let bind = endpoint
+        .trim()
+        .strip_prefix("tcp://")
+        .and_then(|addr| addr.parse::<SocketAddr>().ok())
+        .ok_or_else(|| format!("endpoint {endpoint:?} is not tcp://IP:PORT"))?;
+    Ok((worker, bind))
+}
+
 /// The TOML file: the same settings as the flags.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -203,6 +232,8 @@ struct FileConfig {
     #[serde(default)]
     worker_dns: Vec<String>,
     dns_interval_secs: Option<u64>,
+    #[serde(default)]
+    kv_events: Vec<String>,
     worker_capacity_blocks: Option<usize>,
     index_budget_mb: Option<usize>,
     prefill_tokens_per_ms: Option<f64>,
@@ -227,6 +258,8 @@ pub struct Settings {
     pub(crate) workers: Vec<SocketAddr>,
     pub(crate) worker_dns: Vec<String>,
     pub(crate) dns_interval: std::time::Duration,
+    /// Workers whose KV events are read, and where each SUB socket binds.
+    pub(crate) kv_events: Vec<(SocketAddr, SocketAddr)>,
     pub(crate) worker_capacity_blocks: usize,
     pub(crate) index_budget_bytes: usize,
     pub(crate) prefill_tokens_per_ms: f64,
@@ -315,6 +348,24 @@ impl Settings {
                     .to_owned(),
             );
         }
+        let kv_event_texts = if args.kv_events.is_empty() {
+            file.kv_events
+        } else {
+            args.kv_events
+        };
+        let mut kv_events: Vec<(SocketAddr, SocketAddr)> = Vec::new();
+        for text in kv_event_texts.iter().map(|t| t.trim()).filter(|t| !t.is_empty()) {
+            match parse_kv_events(text) {
+                Ok((worker, _)) if kv_events.iter().any(|(w, _)| *w == worker) => {
+                    errors.push(format!("kv_events: worker {worker} is listed twice"));
+                }
+                Ok((worker, _)) if worker_dns.is_empty() && !workers.contains(&worker) => {
+                    errors.push(format!("kv_events: {worker} is not one of the workers"));
+                }
+                Ok(pair) => kv_events.push(pair),
+                Err(err) => errors.push(format!("kv_events {text:?}: {err}")),
+            }
+        }
         let prefill_tokens_per_ms = args
             .prefill_tokens_per_ms
             .or(file.prefill_tokens_per_ms)
@@ -367,6 +418,7 @@ impl Settings {
             admin_listen,
             workers,
             worker_dns,
+            kv_events,
             dns_interval: std::time::Duration::from_secs(
                 args.dns_interval_secs.or(file.dns_interval_secs).unwrap_or(10).max(1),
             ),

@@ -9,7 +9,8 @@
 //!
 //! - pure, no I/O and no tokio, public so fuzz targets and tools can reuse
 //!   them: [`engine_metrics`] (an engine's Prometheus text into load and
-//!   capacity), [`snapshot`] (the router snapshot's byte codec), [`bounds`]
+//!   capacity), [`kv_events`] (an engine's KV cache events decoded, and its
+//!   resident blocks followed from them), [`snapshot`] (the router snapshot's byte codec), [`bounds`]
 //!   (the wire bounds a Pick or Outcome must keep), [`wire`] (proto messages
 //!   into core types and back). They build without the `server` feature.
 //! - shared, below every edge: `state` (`Shared`, its lock order, `pick` and
@@ -18,7 +19,8 @@
 //!   `auth` (the shared token), `report` (rendering the agent report).
 //! - edges, each at one kind of I/O: `service` (gRPC), `admin` (admin HTTP
 //!   and the `report` command's client of it), `store` (Redis), `watcher`
-//!   (engine scrapes, DNS, session expiry), `shutdown` (signals).
+//!   (engine scrapes, DNS, session expiry), `kv_subscriber` (engines' KV
+//!   events over ZeroMQ), `shutdown` (signals).
 //!
 //! This file is the composition root: `serve` builds the state and starts
 //! every edge; it is the only place that knows them all.
@@ -26,6 +28,7 @@
 
 pub mod bounds;
 pub mod engine_metrics;
+pub mod kv_events;
 pub mod snapshot;
 pub mod wire;
 
@@ -37,6 +40,8 @@ mod auth;
 mod clock;
 #[cfg(feature = "server")]
 mod config;
+#[cfg(feature = "server")]
+mod kv_subscriber;
 #[cfg(feature = "server")]
 mod lock;
 #[cfg(feature = "server")]
@@ -123,6 +128,11 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let grpc_addr = grpc.local_addr()?;
     let admin_addr = admin.local_addr()?;
 
+    // Bound before the listening line, so a test that reads it can point
+    // its engines at these endpoints.
+    for (worker, endpoint) in kv_subscriber::start(&shared, &settings.kv_events).await? {
+        println!("kvmesh-sidecar kv-events worker={worker} endpoint={endpoint}");
+    }
     if let Some(interval) = settings.scrape_interval {
         tokio::spawn(watcher::watch_engines(
             shared.clone(),

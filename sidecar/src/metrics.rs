@@ -74,6 +74,11 @@ pub(crate) struct Metrics {
     worker_engine_running: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     worker_engine_kv_usage: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     worker_events: Family<EventLabel, Counter>,
+    worker_engine_resident_blocks: Family<WorkerLabel, Gauge>,
+    kv_event_batches: Family<WorkerLabel, Counter>,
+    kv_event_errors: Family<WorkerLabel, Counter>,
+    kv_event_gaps: Family<WorkerLabel, Counter>,
+    kv_event_evicted_blocks: Family<WorkerLabel, Counter>,
     sessions: Gauge,
     index_entries: Gauge,
     index_bytes: Gauge,
@@ -269,6 +274,11 @@ impl Metrics {
             worker_engine_running: Family::default(),
             worker_engine_kv_usage: Family::default(),
             worker_events: Family::default(),
+            worker_engine_resident_blocks: Family::default(),
+            kv_event_batches: Family::default(),
+            kv_event_errors: Family::default(),
+            kv_event_gaps: Family::default(),
+            kv_event_evicted_blocks: Family::default(),
             sessions: Gauge::default(),
             index_entries: Gauge::default(),
             index_bytes: Gauge::default(),
@@ -357,6 +367,31 @@ impl Metrics {
             "worker_events",
             "Worker lifecycle events seen by the engine watcher (down, up, restart)",
             m.worker_events.clone(),
+        );
+        registry.register(
+            "worker_engine_resident_blocks",
+            "Blocks resident in each worker's engine cache, in its own blocks, from its KV events (absent while unknown)",
+            m.worker_engine_resident_blocks.clone(),
+        );
+        registry.register(
+            "kv_event_batches",
+            "KV event messages decoded, per worker",
+            m.kv_event_batches.clone(),
+        );
+        registry.register(
+            "kv_event_errors",
+            "KV event messages refused as undecodable, per worker",
+            m.kv_event_errors.clone(),
+        );
+        registry.register(
+            "kv_event_gaps",
+            "Breaks in a worker's KV event sequence (lost messages, or a restarted publisher)",
+            m.kv_event_gaps.clone(),
+        );
+        registry.register(
+            "kv_event_evicted_blocks",
+            "Index blocks evicted in step with an engine's own removals, per worker",
+            m.kv_event_evicted_blocks.clone(),
         );
         registry.register(
             "index_entries",
@@ -454,6 +489,31 @@ impl Metrics {
         self.worker_events.get_or_create(&EventLabel { event }).inc();
     }
 
+    /// One decoded KV event message from `worker`, with the index blocks
+    /// its removals evicted and whether it broke the sequence.
+    pub(crate) fn observe_kv_batch(&self, worker: &str, evicted: usize, gap: bool) {
+        let label = WorkerLabel {
+            worker: worker.to_owned(),
+        };
+        self.kv_event_batches.get_or_create(&label).inc();
+        if evicted > 0 {
+            self.kv_event_evicted_blocks
+                .get_or_create(&label)
+                .inc_by(u64::try_from(evicted).unwrap_or(u64::MAX));
+        }
+        if gap {
+            self.kv_event_gaps.get_or_create(&label).inc();
+        }
+    }
+
+    pub(crate) fn observe_kv_error(&self, worker: &str) {
+        self.kv_event_errors
+            .get_or_create(&WorkerLabel {
+                worker: worker.to_owned(),
+            })
+            .inc();
+    }
+
     /// Prometheus text exposition, with the gauges taken from the router.
     pub(crate) fn render(&self, workers: &[WorkerView], state: StateSizes) -> String {
         for w in workers {
@@ -477,6 +537,16 @@ impl Metrics {
             }
             if let Some(usage) = w.engine_kv_usage {
                 self.worker_engine_kv_usage.get_or_create(&label).set(usage);
+            }
+            match w.engine_resident_blocks {
+                Some(blocks) => {
+                    self.worker_engine_resident_blocks
+                        .get_or_create(&label)
+                        .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+                }
+                None => {
+                    self.worker_engine_resident_blocks.remove(&label);
+                }
             }
         }
         let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);

@@ -24,8 +24,8 @@ pub use insight::{
 };
 pub use lru::{Lru, LruMap};
 pub use router::{
-    Cost, Decision, Holdings, Outcome, PickInput, Reason, Router, RouterConfig, Snapshot, WorkerId, WorkerLoad,
-    WorkerState, WorkerView,
+    Cost, Decision, EngineCacheChange, EngineCacheEffect, Holdings, Outcome, PickInput, Reason, Router, RouterConfig,
+    Snapshot, WorkerId, WorkerLoad, WorkerState, WorkerView,
 };
 pub use sessions::SessionTable;
 pub use usage::{MAX_BYTES_PER_TOKEN, TEMPLATE_TOKENS, UsageError, check_usage};

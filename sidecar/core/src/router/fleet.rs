@@ -51,6 +51,10 @@ pub struct WorkerView {
     pub engine_waiting: f64,
     pub engine_running: Option<f64>,
     pub engine_kv_usage: Option<f64>,
+    /// The engine's resident blocks and its tokens per block, from its KV
+    /// events (`None` without events, or after a lost message).
+    pub engine_resident_blocks: Option<u64>,
+    pub engine_block_tokens: Option<u32>,
 }
 
 /// `WorkerLoad`: what a worker is busy with, from kvmesh's own picks and
@@ -102,6 +106,11 @@ pub(super) struct Worker {
     /// Block size and model of the latest Pick placed here.
     pub(super) block_bytes: u32,
     pub(super) model: String,
+    /// From the engine's KV events: its resident blocks, its tokens per
+    /// block, and the fraction of a kvmesh block its removals owe the index.
+    pub(super) engine_resident_blocks: Option<u64>,
+    pub(super) engine_block_tokens: Option<u32>,
+    pub(super) removal_carry: f64,
 }
 
 impl Worker {
@@ -171,6 +180,9 @@ impl Router {
             tokens_per_block: 0.0,
             block_bytes: DEFAULT_BLOCK_BYTES as u32,
             model: String::new(),
+            engine_resident_blocks: None,
+            engine_block_tokens: None,
+            removal_carry: 0.0,
         });
         self.by_address.insert(address.to_owned(), id);
         id
@@ -260,7 +272,7 @@ impl Router {
     }
 
     /// Engine tokens per kvmesh block on worker `id`.
-    fn tokens_per_block(&self, id: WorkerId) -> f64 {
+    pub(super) fn tokens_per_block(&self, id: WorkerId) -> f64 {
         let Some(worker) = self.workers.get(id.0) else {
             return 0.0;
         };
@@ -328,6 +340,8 @@ impl Router {
                 engine_waiting: w.load.engine_waiting,
                 engine_running: w.load.engine_running,
                 engine_kv_usage: w.load.engine_kv_usage,
+                engine_resident_blocks: w.engine_resident_blocks,
+                engine_block_tokens: w.engine_block_tokens,
             })
             .collect()
     }

@@ -38,12 +38,14 @@
 //!
 //! The router's jobs, one file each: `fleet` (workers, their load and the
 //! picks awaiting outcomes), `cost` (the formula and the ranking),
-//! `learning` (what outcomes teach), `snapshot` (warm restarts and other
+//! `learning` (what outcomes teach), `engine_events` (what the engine's KV
+//! events say: its resident blocks, evictions and wipes), `snapshot` (warm restarts and other
 //! replicas' placements), and `decision` (the record a pick returns, which
 //! consumers such as the insight ledger read instead of the router).
 
 mod cost;
 mod decision;
+mod engine_events;
 mod fleet;
 pub(crate) mod learning;
 mod snapshot;
@@ -59,6 +61,7 @@ use crate::sessions::SessionTable;
 
 pub use cost::Cost;
 pub use decision::{Decision, Outcome, PickInput, Reason};
+pub use engine_events::{EngineCacheChange, EngineCacheEffect};
 pub use fleet::{Holdings, WorkerId, WorkerLoad, WorkerState, WorkerView};
 pub use snapshot::Snapshot;
 

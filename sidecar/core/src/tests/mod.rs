@@ -1,5 +1,6 @@
 mod decisions;
 mod engine_capacity;
+mod engine_events;
 mod index_model;
 mod insight_ledger;
 mod wire_numbers;

@@ -1,0 +1,95 @@
+//! What an engine's own KV cache events tell the router: its resident
+//! blocks, the blocks it evicts as it evicts them, and cache wipes. The
+//! engine's blocks are its tokens and kvmesh's are bytes of the canonical
+//! stream, so no block can be matched to another; counts can, converted at
+//! the worker's engine tokens per kvmesh block (as its capacity is).
+
+use super::Router;
+use super::fleet::WorkerId;
+
+/// One batch of an engine's KV events, summarised by the edge that reads
+/// them (it dedupes hashes, so a block stored twice counts once).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineCacheChange {
+    /// Blocks newly resident, and blocks the engine removed from its
+    /// primary cache, after the last clear in the batch.
+    pub stored_blocks: u64,
+    pub removed_blocks: u64,
+    /// The engine's tokens per block (vLLM's CPU backend: 128); 0 when the
+    /// events have not said yet.
+    pub engine_block_tokens: u32,
+    /// The engine dropped its whole cache (`AllBlocksCleared`, or a
+    /// restarted publisher).
+    pub cleared: bool,
+    /// The engine's resident blocks after the batch, when the events are
+    /// known complete; `None` after a lost message.
+    pub resident_blocks: Option<u64>,
+}
+
+/// What applying one change did to the index.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineCacheEffect {
+    /// Blocks forgotten because the cache was cleared.
+    pub wiped: usize,
+    /// Oldest blocks evicted in step with the engine's removals.
+    pub evicted: usize,
+}
+
+impl Router {
+    /// Applies one batch of worker `id`'s KV events. A clear wipes the
+    /// worker as a restart does. Removals evict the worker's oldest blocks
+    /// in step with the engine, instead of waiting for a miss to shrink the
+    /// estimate: down to the engine's resident blocks converted to kvmesh
+    /// blocks (at `engine tokens per block / tokens per kvmesh block`) when
+    /// the events know them; else `removed` converted the same way
+    /// (fractions carried to the next batch). Never more: an index already
+    /// held to the capacity evicted on insert, and evicting again for the
+    /// same removal would empty it.
+    pub fn engine_events(&mut self, id: WorkerId, change: &EngineCacheChange) -> EngineCacheEffect {
+        let mut effect = EngineCacheEffect::default();
+        if id.0 >= self.workers.len() {
+            return effect;
+        }
+        if change.cleared {
+            effect.wiped = self.restart(id);
+        }
+        let tokens_per_block = self.tokens_per_block(id);
+        let Some(worker) = self.workers.get_mut(id.0) else {
+            return effect;
+        };
+        if change.cleared {
+            worker.removal_carry = 0.0;
+        }
+        if change.engine_block_tokens > 0 {
+            worker.engine_block_tokens = Some(change.engine_block_tokens);
+        }
+        worker.engine_resident_blocks = change.resident_blocks;
+        let Some(engine_block_tokens) = worker.engine_block_tokens else {
+            return effect;
+        };
+        if tokens_per_block <= 0.0 || !tokens_per_block.is_finite() {
+            return effect;
+        }
+        let per_engine_block = f64::from(engine_block_tokens) / tokens_per_block;
+        worker.removal_carry += change.removed_blocks as f64 * per_engine_block;
+        let due = worker.removal_carry.floor();
+        worker.removal_carry -= due;
+        let due = due as usize;
+        let len = self.index.len(id);
+        let evict = match change.resident_blocks {
+            // The engine is evicting, so it is full: it holds exactly its
+            // resident blocks, and the index can hold no more than those
+            // converted. It placed more (a prompt's partial tail block,
+            // which the engine never caches; the template's tokens): they go.
+            Some(resident) if change.removed_blocks > 0 => {
+                len.saturating_sub((resident as f64 * per_engine_block).ceil() as usize)
+            }
+            // Not evicting: nothing to follow.
+            Some(_) => 0,
+            // Residency unknown (a lost message): follow the removals alone.
+            None => due,
+        };
+        effect.evicted = self.index.drop_oldest(id, evict);
+        effect
+    }
+}

@@ -315,9 +315,10 @@ async fn wait_for(http: &reqwest::Client, api: &str, query: &str, at_least: f64)
 }
 
 /// The dashboard's expression as Grafana would send it with every variable
-/// at "All" and a short rate window (this Prometheus scrapes every second).
+/// at "All" and a one-minute rate window (the test's data spans seconds,
+/// scraped every second).
 fn as_grafana_sends(expr: &str) -> String {
-    expr.replace("$__rate_interval", "20s")
+    expr.replace("$__rate_interval", "1m")
         .replace("$harness", ".*")
         .replace("$tenant", ".*")
         .replace("$gpu_cluster", ".*")
@@ -395,6 +396,12 @@ scrape_configs:
     wait_for(&http, &api, "sum(kvmesh_picks)", 8.0).await?;
     wait_for(&http, &api, "sum(kvmesh_picks_total)", 8.0).await?;
     wait_for(&http, &api, "sum(kvmesh_calls_total)", 8.0).await?;
+    // The sidecar creates a label's series on its first call, so a rate
+    // needs two samples of it after the traffic: wait for three, however
+    // slowly a loaded machine scrapes.
+    for series in ["kvmesh_calls_total", "kvmesh_picks_total", "kvmesh_picks"] {
+        wait_for(&http, &api, &format!("min(count_over_time({series}[1m]))"), 3.0).await?;
+    }
 
     let mut empty = Vec::new();
     for expr in expressions(&dashboard()?) {

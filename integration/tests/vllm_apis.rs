@@ -190,6 +190,17 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
     let (mut requests, mut prompt_sum, mut cached_sum) = (0u64, 0u64, 0u64);
     let mut engines_used = std::collections::BTreeSet::new();
     for api in apis {
+        // What the sidecar is told, per API: the counters' growth over this
+        // API's calls against the sums of what the engines returned.
+        cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
+        let told = || async {
+            anyhow::Ok((
+                cluster.sidecar_metric("kvmesh_reported_prompt_tokens_total").await?,
+                cluster.sidecar_metric("kvmesh_reported_cached_tokens_total").await?,
+            ))
+        };
+        let (told_prompt, told_cached) = told().await?;
+        let (api_prompt, api_cached) = (prompt_sum, cached_sum);
         for stream in [false, true] {
             let case = Instant::now();
             let repo = format!("repo{}{}", api.replace('/', "-"), if stream { "-stream" } else { "" });
@@ -248,6 +259,13 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
                 case.elapsed()
             );
         }
+        cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
+        let (now_prompt, now_cached) = told().await?;
+        assert_eq!(
+            (now_prompt - told_prompt, now_cached - told_cached),
+            ((prompt_sum - api_prompt) as f64, (cached_sum - api_cached) as f64),
+            "{api}: prompt and cached tokens the sidecar was told, against the engines' own"
+        );
     }
     eprintln!("sessions spread over engines {engines_used:?}");
 

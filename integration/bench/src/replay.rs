@@ -136,7 +136,12 @@ pub(crate) struct Options {
     /// filter (plain round robin over the same workers), as the baseline.
     #[arg(long, requires = "local")]
     no_kvmesh: bool,
-    /// Write the results as JSON here.
+    /// Also write the results (printed as JSON either way) here: hit rate,
+    /// TTFT, latency, failed calls, `reported_cached_tokens` (the engines'
+    /// usage); through a local kvmesh, `predicted_cached_tokens` (each
+    /// Pick's predicted blocks × the chosen worker's tokens per block) and
+    /// `prediction_error` (mean over calls of |predicted − reported| /
+    /// prompt tokens).
     #[arg(long)]
     json: Option<PathBuf>,
 }

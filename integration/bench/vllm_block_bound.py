@@ -4,7 +4,7 @@ One cache that never evicts, in vLLM's full 128-token blocks: each call is
 rendered as one user message through the tiny model's ChatML template and
 tokenized with its tokenizer; a call's hit is its run of leading blocks that
 some earlier call (in arrival order) also had. `simulate`'s bound counts in
-its own token estimate and finer blocks, so it is higher.
+its own token estimate and 16-token blocks, so it is higher.
 
     .tools/vllm/bin/python integration/bench/vllm_block_bound.py TRACE.jsonl...
 """

@@ -255,10 +255,15 @@ pub fn start_sidecar(
             "127.0.0.1:0".into(),
             "--worker".into(),
             worker_list,
-            "--log".into(),
-            "info".into(),
         ]
         .into_iter()
+        // The caller's `--log` replaces the default: the sidecar takes it once.
+        .chain(
+            (!extra_args.iter().any(|a| a == "--log"))
+                .then(|| ["--log".to_owned(), "info".to_owned()])
+                .into_iter()
+                .flatten(),
+        )
         .chain(extra_args.iter().cloned())
         .collect::<Vec<String>>(),
         dir,

@@ -30,6 +30,11 @@ pub(crate) struct Options {
     /// Mean ms between root session starts.
     #[arg(long, default_value_t = 2000.0)]
     arrival_ms: f64,
+    /// Multiplies every text length (system prompt, repository, turns,
+    /// tool results): 0.1 gives prompts a tenth as long, for engines that
+    /// prefill on a CPU.
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Output file (stdout without it).
@@ -106,13 +111,14 @@ struct Line {
 
 pub(crate) fn run(o: Options) -> anyhow::Result<()> {
     let mut rng = Rng(o.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let n = |words: usize| ((words as f64 * o.scale).round() as usize).max(1);
     // Shared prefixes: system prompt and tool schemas, ~6k tokens each.
     let systems: Vec<String> = (0..o.system_variants.max(1))
         .map(|v| {
             format!(
                 "<system variant {v}>\n{}\n<tools>\n{}\n",
-                words(&mut rng, 2500, PROSE),
-                words(&mut rng, 3500, CODE)
+                words(&mut rng, n(2500), PROSE),
+                words(&mut rng, n(3500), CODE)
             )
         })
         .collect();
@@ -122,12 +128,12 @@ pub(crate) fn run(o: Options) -> anyhow::Result<()> {
         start += rng.exp(o.arrival_ms);
         let session = format!("gen-{}-{s}", o.seed);
         let system = &systems[rng.below(systems.len() as u64) as usize];
-        let mut context = format!("{system}<repo session {s}>\n{}\n", words(&mut rng, 1500, CODE));
+        let mut context = format!("{system}<repo session {s}>\n{}\n", words(&mut rng, n(1500), CODE));
         let mut at = start;
         let fan_out_at = o.turns / 2;
         for turn in 0..o.turns {
-            context.push_str(&format!("<user turn {turn}> {}\n", words(&mut rng, 40, PROSE)));
-            let output = format!("<tool_call read_file src/m{turn}.rs> {}", words(&mut rng, 30, PROSE));
+            context.push_str(&format!("<user turn {turn}> {}\n", words(&mut rng, n(40), PROSE)));
+            let output = format!("<tool_call read_file src/m{turn}.rs> {}", words(&mut rng, n(30), PROSE));
             lines.push(Line {
                 at_ms: at,
                 input: context.clone(),
@@ -137,7 +143,7 @@ pub(crate) fn run(o: Options) -> anyhow::Result<()> {
             });
             // Think time, then the tool's own time.
             at += rng.exp(1500.0) + rng.exp(800.0);
-            let result_words = 300 + rng.below(600) as usize;
+            let result_words = n(300 + rng.below(600) as usize);
             context.push_str(&format!(
                 "{output}\n<tool_result>\n{}\n",
                 words(&mut rng, result_words, CODE)
@@ -150,11 +156,11 @@ pub(crate) fn run(o: Options) -> anyhow::Result<()> {
                     let mut child_context = if k % 2 == 0 {
                         context.clone()
                     } else {
-                        format!("{system}<subagent task {k}> {}\n", words(&mut rng, 200, PROSE))
+                        format!("{system}<subagent task {k}> {}\n", words(&mut rng, n(200), PROSE))
                     };
                     let mut child_at = at + rng.exp(50.0);
                     for t in 0..o.subagent_turns {
-                        let output = format!("<tool_call grep {t}> {}", words(&mut rng, 20, PROSE));
+                        let output = format!("<tool_call grep {t}> {}", words(&mut rng, n(20), PROSE));
                         lines.push(Line {
                             at_ms: child_at,
                             input: child_context.clone(),
@@ -163,7 +169,8 @@ pub(crate) fn run(o: Options) -> anyhow::Result<()> {
                             parent: Some(session.clone()),
                         });
                         child_at += rng.exp(600.0) + rng.exp(300.0);
-                        child_context.push_str(&format!("{output}\n<tool_result>\n{}\n", words(&mut rng, 200, CODE)));
+                        child_context
+                            .push_str(&format!("{output}\n<tool_result>\n{}\n", words(&mut rng, n(200), CODE)));
                     }
                 }
             }

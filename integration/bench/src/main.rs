@@ -39,8 +39,12 @@ enum Command {
     Simulate(simulate::Options),
     /// Write a seeded workload of coding-agent sessions (text trace format).
     GenAgents(gen_agents::Options),
-    /// Send a workload as real HTTP calls, through Envoy with kvmesh.
+    /// Send a workload as real HTTP calls, through Envoy with kvmesh (or
+    /// without it), to simulated or real vLLM workers.
     Replay(replay::Options),
+    /// Start the local deployment (Envoy with and without kvmesh, sidecar,
+    /// workers), print its URLs as one JSON line, and wait for SIGINT/SIGTERM.
+    Serve(replay::ServeOptions),
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -53,5 +57,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Simulate(options) => simulate::run(options),
         Command::GenAgents(options) => gen_agents::run(options),
         Command::Replay(options) => replay::run(options).await,
+        Command::Serve(options) => replay::serve(options).await,
     }
 }

@@ -45,6 +45,10 @@ pub(crate) struct DeployArgs {
     /// vLLM only: `--max-model-len`, prompt plus completion in tokens.
     #[arg(long, default_value_t = 4096)]
     max_model_len: u32,
+    /// vLLM only: each worker publishes its KV cache events to the sidecar
+    /// (`--kv-events`), which then evicts in step with the engines.
+    #[arg(long)]
+    kv_events: bool,
     /// Simulated workers only: KV capacity of each worker, in tokens.
     #[arg(long, default_value_t = 200_000)]
     capacity_tokens: u64,
@@ -98,6 +102,7 @@ impl DeployArgs {
                     sidecar_args: sidecar_args(20.0),
                     plugin: json!({"sidecar_timeout_ms": 200}),
                     baseline_listener: true,
+                    kv_events: self.kv_events,
                     ..ClusterOptions::default()
                 }
             }
@@ -368,6 +373,7 @@ pub(crate) async fn run(o: Options) -> anyhow::Result<()> {
         "trace": o.workload.trace.display().to_string(),
         "engine": if cluster.is_some() { format!("{:?}", o.deploy.engine).to_lowercase() } else { "remote".to_owned() },
         "kvmesh": !o.no_kvmesh,
+        "kv_events": o.deploy.kv_events,
         "requests": results.len(),
         "failed": results.len() - ok.len(),
         "hit_rate": cached as f64 / prompt.max(1) as f64,

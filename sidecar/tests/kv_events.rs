@@ -4,6 +4,10 @@
 
 #![allow(clippy::unwrap_used, clippy::panic)] // a test fails loudly
 
+mod kv_fixtures;
+
+use kv_fixtures::FIXTURES;
+
 use kvmesh_sidecar::kv_events::*;
 
 /// A fixture: each frame as a 4-byte big-endian length and its bytes.
@@ -17,17 +21,6 @@ fn frames(bytes: &[u8]) -> Vec<Vec<u8>> {
     }
     out
 }
-
-const FIXTURES: [&[u8]; 8] = [
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq000.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq001.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq002.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq003.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq004.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq005.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq006.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq007.frames"),
-];
 
 fn batch(fixture: &[u8]) -> Batch {
     let frames = frames(fixture);

@@ -9,6 +9,10 @@
 
 mod common;
 
+mod kv_fixtures;
+
+use kv_fixtures::FIXTURES;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -18,17 +22,6 @@ use common::{Sidecar, http_get};
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
 const WORKER: &str = "10.1.0.1:8000";
-
-const FIXTURES: [&[u8]; 8] = [
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq000.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq001.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq002.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq003.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq004.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq005.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq006.frames"),
-    include_bytes!("fixtures/kv_events/vllm-0.32-seq007.frames"),
-];
 
 fn message(fixture: &[u8]) -> ZmqMessage {
     let mut frames = Vec::new();

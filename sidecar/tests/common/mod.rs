@@ -63,6 +63,13 @@ fn value_of(line: &str, key: &str) -> String {
 /// Starts the sidecar on ephemeral ports with `args`; returns it once it
 /// serves, with the value of `key=` from its ready line.
 pub(crate) fn spawn(args: &[&str], key: &str) -> (Child, String) {
+    let (child, line) = launch(args);
+    let value = value_of(&line, key);
+    (child, value)
+}
+
+/// The sidecar on free loopback ports with `args`, and its ready line.
+fn launch(args: &[&str]) -> (Child, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh-sidecar"))
         .args(["--grpc-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .args(args)
@@ -72,21 +79,12 @@ pub(crate) fn spawn(args: &[&str], key: &str) -> (Child, String) {
         .spawn()
         .unwrap();
     let line = first_line(&mut child);
-    let value = value_of(&line, key);
-    (child, value)
+    (child, line)
 }
 
 /// The sidecar with three placeholder workers (nothing scraped).
 pub(crate) fn start() -> Sidecar {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh-sidecar"))
-        .args(["--grpc-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(["--worker", WORKERS, "--scrape-interval-ms", "0"])
-        .env_remove("KVMESH_WORKERS")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let line = first_line(&mut child);
+    let (child, line) = launch(&["--worker", WORKERS, "--scrape-interval-ms", "0"]);
     Sidecar {
         grpc: value_of(&line, "grpc="),
         admin: value_of(&line, "admin="),

@@ -299,7 +299,18 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
             Some(128 * BLOCK_SIZE_TOKENS),
             "{worker}"
         );
+        // And its block size, at which predictions come in whole blocks.
+        assert_eq!(
+            worker["engine_block_tokens"].as_u64(),
+            Some(BLOCK_SIZE_TOKENS),
+            "{worker}"
+        );
     }
+    let predicted = cluster.sidecar_metric("kvmesh_predicted_cached_tokens_total").await?;
+    assert!(
+        predicted > 0.0 && predicted % BLOCK_SIZE_TOKENS as f64 == 0.0,
+        "predictions of {predicted} tokens are not whole engine blocks"
+    );
     // What the sidecar predicted against what the engines reported.
     for prefix in ["kvmesh_predicted_cached", "kvmesh_reported_"] {
         for (series, value) in cluster.sidecar_samples_at(cluster.sidecar_admin, prefix).await? {

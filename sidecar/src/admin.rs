@@ -53,7 +53,7 @@ async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
         let router = shared.router();
         let index = router.index();
         (
-            router.workers(),
+            router.workers_at(now_ms()),
             crate::metrics::StateSizes {
                 sessions: router.sessions().len(),
                 index_entries: index.entries(),
@@ -225,7 +225,7 @@ async fn readyz(State(shared): State<Shared>) -> impl IntoResponse {
 async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
     let workers: Vec<serde_json::Value> = shared
         .router()
-        .workers()
+        .workers_at(now_ms())
         .into_iter()
         .map(|w| {
             serde_json::json!({

@@ -149,6 +149,7 @@ impl Shared {
             blocks = req.block_hashes.len(),
             reason = decision.reason.as_str(),
             cached = decision.predicted_cached_blocks,
+            cached_tokens = decision.predicted_cached_tokens,
             destination = destinations.first().map_or("", String::as_str),
             "pick"
         );
@@ -163,6 +164,7 @@ impl Shared {
             decision.reason,
             req.block_hashes.len(),
             decision.predicted_cached_blocks,
+            decision.predicted_cached_tokens,
             started.elapsed(),
         );
         // Measured where the answer leaves, not assumed: the shutdown check

@@ -104,6 +104,9 @@ fn apply_scrape(shared: &Shared, address: &str, seen: &mut Seen, result: Result<
                 router.set_engine_waiting(id, waiting);
             }
             router.set_engine_activity(id, snapshot.running, snapshot.kv_usage);
+            if let Some(tokens) = snapshot.block_size_tokens {
+                router.set_engine_block_tokens(id, tokens);
+            }
             if let Some(tokens) = snapshot.capacity_tokens {
                 router.set_engine_capacity_tokens(id, tokens);
             }

@@ -144,9 +144,11 @@ pub(crate) struct Options {
     /// Also write the results (printed as JSON either way) here: hit rate,
     /// TTFT, latency, failed calls, `reported_cached_tokens` (the engines'
     /// usage); through a local kvmesh, `predicted_cached_tokens` (each
-    /// Pick's predicted blocks × the chosen worker's tokens per block) and
+    /// Pick's prediction in engine tokens, as the sidecar logs it: its
+    /// predicted blocks at the learned bytes per token, in whole engine
+    /// blocks once the engine's block size is known) and
     /// `prediction_error` (mean over calls of |predicted − reported| /
-    /// prompt tokens).
+    /// prompt tokens); the file also lists every paired call (`calls`).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -211,6 +213,8 @@ async fn send(client: &reqwest::Client, url: &str, model: &str, r: &trace::Reque
 /// One Pick as the sidecar logged it.
 struct LoggedPick {
     predicted_blocks: u64,
+    /// The sidecar's own conversion to engine tokens (whole engine blocks).
+    predicted_tokens: Option<u64>,
     destination: String,
 }
 
@@ -252,6 +256,7 @@ fn logged_picks(log: &str) -> HashMap<String, VecDeque<LoggedPick>> {
         };
         picks.entry(session.to_owned()).or_default().push_back(LoggedPick {
             predicted_blocks,
+            predicted_tokens: field(line, "cached_tokens").and_then(|t| t.parse().ok()),
             // A `&str` field is logged in its Debug form, quoted.
             destination: field(line, "destination")
                 .unwrap_or_default()
@@ -287,6 +292,7 @@ async fn predictions(cluster: &Cluster, requests: &[trace::Request], results: &[
     let mut predicted_tokens = 0.0;
     let mut predicted_blocks = 0u64;
     let mut errors = Vec::new();
+    let mut calls = Vec::new();
     let mut unpaired = 0usize;
     let mut order: Vec<usize> = (0..requests.len()).collect();
     order.sort_by(|a, b| requests[*a].at_ms.total_cmp(&requests[*b].at_ms));
@@ -296,12 +302,22 @@ async fn predictions(cluster: &Cluster, requests: &[trace::Request], results: &[
             continue;
         };
         predicted_blocks += pick.predicted_blocks;
-        let per_block = tokens_per_block.get(&pick.destination).copied().unwrap_or(0.0);
-        let predicted = pick.predicted_blocks as f64 * per_block;
+        let predicted = match pick.predicted_tokens {
+            Some(tokens) => tokens as f64,
+            None => pick.predicted_blocks as f64 * tokens_per_block.get(&pick.destination).copied().unwrap_or(0.0),
+        };
         predicted_tokens += predicted;
         let r = &results[i];
         if r.ok && r.prompt_tokens > 0 {
             errors.push((predicted - r.cached_tokens as f64).abs() / r.prompt_tokens as f64);
+            calls.push(json!({
+                "session": requests[i].session,
+                "destination": pick.destination,
+                "predicted_blocks": pick.predicted_blocks,
+                "predicted_cached_tokens": predicted,
+                "reported_cached_tokens": r.cached_tokens,
+                "prompt_tokens": r.prompt_tokens,
+            }));
         }
     }
     let mean_error = errors.iter().sum::<f64>() / errors.len().max(1) as f64;
@@ -312,6 +328,7 @@ async fn predictions(cluster: &Cluster, requests: &[trace::Request], results: &[
         "prediction_error": mean_error,
         "prediction_error_calls": errors.len(),
         "prediction_unpaired_calls": unpaired,
+        "calls": calls,
     }))
 }
 
@@ -397,8 +414,14 @@ pub(crate) async fn run(o: Options) -> anyhow::Result<()> {
             out.extend(extra);
         }
     }
+    // Per call, for whoever wants to see where predictions missed: in the
+    // file only, not on the terminal.
+    let calls = out.as_object_mut().and_then(|o| o.remove("calls"));
     println!("{}", serde_json::to_string_pretty(&out)?);
     if let Some(path) = &o.json {
+        if let (Some(out), Some(calls)) = (out.as_object_mut(), calls) {
+            out.insert("calls".to_owned(), calls);
+        }
         std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
     }
     drop(cluster);

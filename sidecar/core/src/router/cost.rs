@@ -48,6 +48,18 @@ pub(super) struct CostFacts {
     pub(super) at_home: bool,
 }
 
+/// The prompt tokens the engine will report from its cache for a request
+/// whose `matched_tokens` it holds: never more than the prompt, and only
+/// whole engine blocks (an engine caches and reuses whole blocks; a match
+/// ending inside one is recomputed from that block's start).
+pub(super) fn engine_cached_tokens(matched_tokens: f64, request_tokens: f64, engine_block_tokens: Option<u32>) -> u64 {
+    let tokens = matched_tokens.min(request_tokens).max(0.0);
+    match engine_block_tokens {
+        Some(block @ 2..) => ((tokens / f64::from(block)).floor() * f64::from(block)) as u64,
+        _ => tokens.round() as u64,
+    }
+}
+
 /// The router's cost formula (see the module doc of `router`).
 pub(super) fn cost(c: &RouterConfig, f: &CostFacts) -> Cost {
     let cached = (f.overlap as f64 * f.block_tokens).min(f.request_tokens);

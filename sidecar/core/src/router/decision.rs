@@ -111,6 +111,10 @@ pub struct Decision {
     /// Best first; empty when no worker can be picked.
     pub ranked: Vec<WorkerId>,
     pub predicted_cached_blocks: u32,
+    /// Those blocks as the prompt tokens the engine should report cached:
+    /// at the model's learned bytes per token, in whole engine blocks when
+    /// the engine's block size is known.
+    pub predicted_cached_tokens: u64,
     pub reason: Reason,
     pub pick_id: u64,
     /// The chosen worker's cost, term by term (zero without a worker).

@@ -84,6 +84,20 @@ pub struct WorkerLoad {
     pub engine_kv_usage: Option<f64>,
 }
 
+impl WorkerLoad {
+    /// The fluid prefill queue drained up to `now_ms`, at the learned
+    /// throughput (or `default_rate` before the first outcome).
+    fn queued_at(&self, now_ms: u64, default_rate: f64) -> f64 {
+        let rate = if self.prefill_tokens_per_ms > 0.0 {
+            self.prefill_tokens_per_ms
+        } else {
+            default_rate
+        };
+        let elapsed = now_ms.saturating_sub(self.queue_at_ms) as f64;
+        (self.queued_prefill_tokens - rate * elapsed).max(0.0)
+    }
+}
+
 /// Half-life of a worker's recent prefill, in ms.
 const RECENT_PREFILL_HALF_LIFE_MS: f64 = 60_000.0;
 
@@ -253,6 +267,17 @@ impl Router {
         }
     }
 
+    /// The engine's cache block in tokens, as its metrics say (vLLM's
+    /// `cache_config_info` `block_size`); KV events say it too. The engine
+    /// only ever caches whole blocks of it.
+    pub fn set_engine_block_tokens(&mut self, id: WorkerId, tokens: u64) {
+        if let Some(worker) = self.workers.get_mut(id.0)
+            && let Ok(tokens @ 1..) = u32::try_from(tokens)
+        {
+            worker.engine_block_tokens = Some(tokens);
+        }
+    }
+
     /// The engine reported its KV capacity in tokens. It becomes blocks at
     /// the block size of the Picks placed on the worker and the bytes per
     /// token learned for their model (until the first Pick: the default
@@ -319,6 +344,18 @@ impl Router {
         self.convert_engine_capacity(id);
     }
 
+    /// The workers as of `now_ms`: their prefill queues drained for the
+    /// time since the last Pick (which drains them for real), so a page read
+    /// while no Pick arrives shows what is still queued, not what was.
+    pub fn workers_at(&self, now_ms: u64) -> Vec<WorkerView> {
+        let default_rate = self.config.default_prefill_tokens_per_ms;
+        let mut views = self.workers();
+        for (view, w) in views.iter_mut().zip(&self.workers) {
+            view.queued_prefill_tokens = w.load.queued_at(now_ms, default_rate);
+        }
+        views
+    }
+
     pub fn workers(&self) -> Vec<WorkerView> {
         self.workers
             .iter()
@@ -381,14 +418,9 @@ impl Router {
     pub(super) fn drain_queues(&mut self, now_ms: u64) {
         let default_rate = self.config.default_prefill_tokens_per_ms;
         for w in &mut self.workers {
+            w.load.queued_prefill_tokens = w.load.queued_at(now_ms, default_rate);
             let load = &mut w.load;
-            let rate = if load.prefill_tokens_per_ms > 0.0 {
-                load.prefill_tokens_per_ms
-            } else {
-                default_rate
-            };
             let elapsed = now_ms.saturating_sub(load.queue_at_ms) as f64;
-            load.queued_prefill_tokens = (load.queued_prefill_tokens - rate * elapsed).max(0.0);
             load.recent_prefill_tokens *= 0.5f64.powf(elapsed / RECENT_PREFILL_HALF_LIFE_MS);
             load.queue_at_ms = load.queue_at_ms.max(now_ms);
         }

@@ -293,6 +293,11 @@ impl Router {
         decision.reason = reason;
         decision.cost = decision.costs.get(chosen.id.0).copied().flatten().unwrap_or_default();
         decision.predicted_cached_blocks = u32::try_from(chosen.overlap).unwrap_or(u32::MAX);
+        decision.predicted_cached_tokens = cost::engine_cached_tokens(
+            chosen.overlap as f64 * block_tokens,
+            request_tokens,
+            self.workers.get(chosen.id.0).and_then(|w| w.engine_block_tokens),
+        );
         decision.best_overlap = u32::try_from(best_overlap).unwrap_or(u32::MAX);
         decision.prefill_tokens_per_ms = self.prefill_tokens_per_ms(chosen.id);
 

@@ -91,3 +91,47 @@ fn the_engines_own_figures_are_shown_as_it_reports_them() {
         (3.0, Some(2.0), Some(1.0))
     );
 }
+
+#[test]
+fn predicted_cached_tokens_come_in_whole_engine_blocks_once_the_block_size_is_known() {
+    let mut r = Router::new(RouterConfig::default(), ["10.0.0.1:8000".to_owned()]);
+    let first = pick(&mut r, 256, 1_000);
+    assert_eq!(first.predicted_cached_tokens, 0);
+    // 4 blocks of 256 bytes at the default 4 bytes per token: 256 tokens.
+    let second = pick(&mut r, 256, 2_000);
+    assert_eq!(second.predicted_cached_blocks, 4);
+    assert_eq!(second.predicted_cached_tokens, 256);
+
+    // An engine caching 100-token blocks holds only 2 whole ones of them.
+    r.set_engine_block_tokens(WorkerId(0), 100);
+    let third = pick(&mut r, 256, 3_000);
+    assert_eq!((third.predicted_cached_blocks, third.predicted_cached_tokens), (4, 200));
+
+    // Blocks larger than the match: nothing will be reported cached.
+    r.set_engine_block_tokens(WorkerId(0), 300);
+    assert_eq!(pick(&mut r, 256, 4_000).predicted_cached_tokens, 0);
+
+    // A figure no engine has is ignored, not a division by zero.
+    r.set_engine_block_tokens(WorkerId(0), 0);
+    r.set_engine_block_tokens(WorkerId(0), u64::MAX);
+    assert_eq!(pick(&mut r, 256, 5_000).predicted_cached_tokens, 0);
+}
+
+#[test]
+fn the_workers_page_shows_the_queue_drained_to_the_moment_it_is_read() {
+    let mut r = Router::new(
+        RouterConfig {
+            default_prefill_tokens_per_ms: 10.0,
+            ..RouterConfig::default()
+        },
+        ["10.0.0.1:8000".to_owned()],
+    );
+    // 4 blocks of 256 bytes at 4 bytes per token: 256 tokens to prefill.
+    pick(&mut r, 256, 1_000);
+    assert_eq!(r.workers_at(1_000)[0].queued_prefill_tokens, 256.0);
+    // No Pick since: 10 ms later at 10 tokens per ms, 100 tokens are done.
+    assert_eq!(r.workers_at(1_010)[0].queued_prefill_tokens, 156.0);
+    assert_eq!(r.workers_at(1_100)[0].queued_prefill_tokens, 0.0);
+    // Reading is not draining: the state is untouched until the next Pick.
+    assert_eq!(r.workers()[0].queued_prefill_tokens, 256.0);
+}

@@ -8,6 +8,7 @@ pub mod envoy_config;
 pub mod istio;
 pub mod paths;
 pub mod process;
+pub mod prometheus;
 pub mod redis;
 pub mod vllm;
 pub mod workload;

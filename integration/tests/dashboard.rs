@@ -5,31 +5,12 @@
 use std::collections::BTreeSet;
 
 use anyhow::{Context, bail};
+use std::time::Duration;
+
 use kvmesh_integration::paths::repo_root;
+use kvmesh_integration::prometheus::{self, Prometheus, dashboard, expressions};
 use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 use serde_json::Value;
-
-fn dashboard() -> anyhow::Result<Value> {
-    let path = repo_root().join("envoy/grafana/kvmesh-agents.json");
-    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
-    Ok(serde_json::from_str(&text)?)
-}
-
-/// Every PromQL expression of the dashboard: panel targets and variable queries.
-fn expressions(dashboard: &Value) -> Vec<String> {
-    let mut out = Vec::new();
-    for panel in dashboard["panels"].as_array().into_iter().flatten() {
-        for target in panel["targets"].as_array().into_iter().flatten() {
-            out.extend(target["expr"].as_str().map(str::to_owned));
-        }
-    }
-    for var in dashboard["templating"]["list"].as_array().into_iter().flatten() {
-        if var["type"] == "query" {
-            out.extend(var["definition"].as_str().map(str::to_owned));
-        }
-    }
-    out
-}
 
 /// The metric names in a PromQL expression: identifiers outside label
 /// matchers, grouping lists and ranges that are not functions or keywords.
@@ -220,9 +201,7 @@ async fn every_metric_the_dashboard_queries_is_exported() -> anyhow::Result<()> 
             .await?;
         assert_eq!(reply.status, 200);
     }
-    cluster
-        .wait_for_no_in_flight(std::time::Duration::from_secs(10))
-        .await?;
+    cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
     let http = reqwest::Client::builder().no_proxy().build()?;
     let sidecar = http
         .get(format!("http://{}/metrics", cluster.sidecar_admin))
@@ -275,111 +254,13 @@ fn the_dashboard_ships_as_a_configmap_grafana_discovers() -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Prometheus: `$KVMESH_PROMETHEUS`, else `prometheus` on PATH (Debian's
-/// package, which `./dev` installs).
-fn prometheus_binary() -> std::path::PathBuf {
-    std::env::var_os("KVMESH_PROMETHEUS").map_or_else(|| "prometheus".into(), Into::into)
-}
-
-/// A free loopback port (Prometheus takes an address, not port 0).
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// The value of a PromQL query that yields one number (0 when it yields none).
-async fn scalar(http: &reqwest::Client, api: &str, query: &str) -> anyhow::Result<f64> {
-    let reply: Value = http
-        .get(format!("{api}/api/v1/query"))
-        .query(&[("query", query)])
-        .send()
-        .await?
-        .json()
-        .await?;
-    Ok(reply["data"]["result"][0]["value"][1]
-        .as_str()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0))
-}
-
-/// Polls `query` until it yields at least `at_least`.
-async fn wait_for(http: &reqwest::Client, api: &str, query: &str, at_least: f64) -> anyhow::Result<()> {
-    let started = std::time::Instant::now();
-    while scalar(http, api, query).await? < at_least {
-        anyhow::ensure!(
-            started.elapsed() < std::time::Duration::from_secs(60),
-            "{query} never reached {at_least}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
-    Ok(())
-}
-
-/// The dashboard's expression as Grafana would send it with every variable
-/// at "All" and a one-minute rate window (the test's data spans seconds,
-/// scraped every second).
-fn as_grafana_sends(expr: &str) -> String {
-    expr.replace("$__rate_interval", "1m")
-        .replace("$harness", ".*")
-        .replace("$tenant", ".*")
-        .replace("$gpu_cluster", ".*")
-}
-
 /// A real Prometheus scrapes the sidecar, Envoy and the workers while agent
 /// sessions run; then every query of the dashboard, evaluated through its
 /// HTTP API, parses and returns series, and every variable query has values.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_query_returns_series_in_a_real_prometheus() -> anyhow::Result<()> {
-    use kvmesh_integration::process::Process;
-    use std::time::{Duration, Instant};
-
     let cluster = Cluster::start(ClusterOptions::default()).await?;
-    let envoy_admin = cluster.envoy_admin.trim_start_matches("http://").to_owned();
-    let workers: Vec<String> = cluster.worker_names().iter().map(|w| format!("'{w}'")).collect();
-    let config = format!(
-        "global: {{scrape_interval: 1s, evaluation_interval: 1s}}
-scrape_configs:
-- {{job_name: kvmesh-sidecar, static_configs: [{{targets: ['{}']}}]}}
-- {{job_name: envoy, metrics_path: /stats/prometheus, static_configs: [{{targets: ['{envoy_admin}']}}]}}
-- {{job_name: workers, static_configs: [{{targets: [{}]}}]}}
-",
-        cluster.sidecar_admin,
-        workers.join(", ")
-    );
-    let dir = cluster.dir.join("prometheus");
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("prometheus.yml"), config)?;
-    let port = free_port()?;
-    let _prometheus = Process::spawn(
-        "prometheus",
-        &prometheus_binary(),
-        &[
-            format!("--config.file={}", dir.join("prometheus.yml").display()),
-            format!("--storage.tsdb.path={}", dir.join("data").display()),
-            format!("--web.listen-address=127.0.0.1:{port}"),
-        ],
-        &dir,
-    )
-    .context("starting prometheus (Debian's package; ./dev installs it)")?;
-    let api = format!("http://127.0.0.1:{port}");
-    let http = reqwest::Client::builder().no_proxy().build()?;
-    let started = Instant::now();
-    while !http
-        .get(format!("{api}/-/ready"))
-        .send()
-        .await
-        .is_ok_and(|r| r.status().is_success())
-    {
-        anyhow::ensure!(
-            started.elapsed() < Duration::from_secs(30),
-            "prometheus never became ready"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-
-    // Prometheus hands new targets to its scrapers in batches (every 5 s):
-    // wait until each of the 5 has been scraped twice, so the traffic falls
-    // between samples and rates see it.
-    wait_for(&http, &api, "count(count_over_time(up[1m]) >= 2)", 5.0).await?;
+    let prometheus = Prometheus::start(&cluster.dir.join("prometheus"), &prometheus::jobs(&cluster)).await?;
     for turn in 0..4 {
         for (session, agent) in [("prom-1", "opencode/1.0.120"), ("prom-2", "claude-cli/2.1.80")] {
             let reply = cluster
@@ -393,46 +274,18 @@ scrape_configs:
     }
     cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
     // Scraped since: the filter's 8 picks in Envoy's stats and the sidecar's.
-    wait_for(&http, &api, "sum(kvmesh_picks)", 8.0).await?;
-    wait_for(&http, &api, "sum(kvmesh_picks_total)", 8.0).await?;
-    wait_for(&http, &api, "sum(kvmesh_calls_total)", 8.0).await?;
+    prometheus.wait_for("sum(kvmesh_picks)", 8.0).await?;
+    prometheus.wait_for("sum(kvmesh_picks_total)", 8.0).await?;
+    prometheus.wait_for("sum(kvmesh_calls_total)", 8.0).await?;
     // The sidecar creates a label's series on its first call, so a rate
     // needs two samples of it after the traffic: wait for three, however
     // slowly a loaded machine scrapes.
     for series in ["kvmesh_calls_total", "kvmesh_picks_total", "kvmesh_picks"] {
-        wait_for(&http, &api, &format!("min(count_over_time({series}[1m]))"), 3.0).await?;
-    }
-
-    let mut empty = Vec::new();
-    for expr in expressions(&dashboard()?) {
-        if let Some(args) = expr.strip_prefix("label_values(").and_then(|e| e.strip_suffix(')')) {
-            let (metric, label) = args.split_once(',').context("label_values without a label")?;
-            let reply: Value = http
-                .get(format!("{api}/api/v1/label/{}/values", label.trim()))
-                .query(&[("match[]", metric.trim())])
-                .send()
-                .await?
-                .json()
-                .await?;
-            assert_eq!(reply["status"], "success", "{expr}: {reply}");
-            if reply["data"].as_array().is_none_or(Vec::is_empty) {
-                empty.push(expr);
-            }
-            continue;
-        }
-        let query = as_grafana_sends(&expr);
-        let reply: Value = http
-            .get(format!("{api}/api/v1/query"))
-            .query(&[("query", query.as_str())])
-            .send()
-            .await?
-            .json()
+        prometheus
+            .wait_for(&format!("min(count_over_time({series}[1m]))"), 3.0)
             .await?;
-        assert_eq!(reply["status"], "success", "{query}: {reply}");
-        if reply["data"]["result"].as_array().is_none_or(Vec::is_empty) {
-            empty.push(query);
-        }
     }
+    let empty = prometheus.empty_dashboard_queries().await?;
     if !empty.is_empty() {
         bail!(
             "{} dashboard queries returned no series after traffic:\n{}",

@@ -22,12 +22,20 @@ demo: build
     ./target/debug/kvmesh-demo
 
 # The whole suite, as CI runs it: formatting, lints, codegen drift, unit and end-to-end tests.
-test: check-fmt clippy check-codegen build setup-vllm
+test: check-fmt clippy check-codegen build build-release setup-vllm setup-bench-clients
     cargo test --workspace --locked
+
+# The release binaries the benchmarks and their smoke tests run (`kvmesh-bench serve`).
+build-release:
+    cargo build --release --locked -p kvmesh-bench -p kvmesh-sidecar -p kvmesh-sim --bins
 
 # Install the real vLLM (CPU build) into .tools/vllm and build its tiny model (docs/vllm.md).
 setup-vllm:
     integration/vllm/setup.sh
+
+# Install the benchmark clients, AIPerf and inference-perf, into .tools (docs/benchmarks.md).
+setup-bench-clients:
+    source integration/bench/lib.sh && install_aiperf .tools/aiperf && install_inference_perf .tools/inference-perf
 
 # Formatting must be clean.
 check-fmt:

@@ -61,7 +61,6 @@ pub(crate) struct Metrics {
     pick_seconds: Histogram,
     request_blocks: Counter,
     predicted_cached_blocks: Counter,
-    predicted_cached_tokens: Counter,
     reports: Family<KnownLabel, Counter>,
     reported_prompt_tokens: Counter,
     reported_cached_tokens: Counter,
@@ -263,7 +262,6 @@ impl Metrics {
             )),
             request_blocks: Counter::default(),
             predicted_cached_blocks: Counter::default(),
-            predicted_cached_tokens: Counter::default(),
             reports: Family::default(),
             reported_prompt_tokens: Counter::default(),
             reported_cached_tokens: Counter::default(),
@@ -309,11 +307,7 @@ impl Metrics {
             "Blocks predicted cached on the chosen worker",
             m.predicted_cached_blocks.clone(),
         );
-        registry.register(
-            "predicted_cached_tokens",
-            "Prompt tokens predicted to be reported cached by the chosen worker (whole engine blocks)",
-            m.predicted_cached_tokens.clone(),
-        );
+
         registry.register(
             "reports",
             "Outcome reports, by whether their pick was known",
@@ -449,14 +443,7 @@ impl Metrics {
         Self { registry, ..m }
     }
 
-    pub(crate) fn observe_pick(
-        &self,
-        reason: Reason,
-        blocks: usize,
-        predicted: u32,
-        predicted_tokens: u64,
-        took: Duration,
-    ) {
+    pub(crate) fn observe_pick(&self, reason: Reason, blocks: usize, predicted: u32, took: Duration) {
         self.picks
             .get_or_create(&ReasonLabel {
                 reason: reason.as_str(),
@@ -465,7 +452,6 @@ impl Metrics {
         self.pick_seconds.observe(took.as_secs_f64());
         self.request_blocks.inc_by(blocks as u64);
         self.predicted_cached_blocks.inc_by(u64::from(predicted));
-        self.predicted_cached_tokens.inc_by(predicted_tokens);
     }
 
     pub(crate) fn observe_report(&self, known: bool, prompt_tokens: Option<u64>, cached_tokens: Option<u64>) {

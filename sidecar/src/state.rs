@@ -164,7 +164,6 @@ impl Shared {
             decision.reason,
             req.block_hashes.len(),
             decision.predicted_cached_blocks,
-            decision.predicted_cached_tokens,
             started.elapsed(),
         );
         // Measured where the answer leaves, not assumed: the shutdown check

@@ -183,6 +183,7 @@ fn run_policy(
             pick_id: r.index as u64,
             ranked: vec![WorkerId(w)],
             predicted_cached_blocks: u32::try_from(overlaps.get(w).copied().unwrap_or(0)).unwrap_or(u32::MAX),
+            predicted_cached_tokens: world.view(now).true_cached_tokens(w, &r.prompt),
             best_overlap: u32::try_from(overlaps.iter().copied().max().unwrap_or(0)).unwrap_or(u32::MAX),
             costs: vec![Some(Cost::default()); options.workers],
             overlaps,

@@ -444,7 +444,8 @@ impl Insights {
             t.repeated_prefix_bytes = t.repeated_prefix_bytes.saturating_add(repeated_bytes);
             t.prompt_tokens += prompt_tokens;
             t.repeated_prefix_tokens += tokens(repeated);
-            t.predicted_cached_tokens += tokens(predicted_blocks);
+            // The router's own conversion, in whole engine blocks.
+            t.predicted_cached_tokens += decision.predicted_cached_tokens as f64;
             t.reachable_cached_tokens += tokens(reachable_blocks);
             if continuing {
                 t.continuing_calls += 1;

@@ -48,6 +48,17 @@ pub(super) struct CostFacts {
     pub(super) at_home: bool,
 }
 
+/// The prompt tokens a request shares with a worker's cache when `overlap`
+/// of its leading blocks are there: the common prefix ends somewhere inside
+/// the next block (or the prompt's tail), half way on average, since kvmesh
+/// hashes whole blocks only.
+pub(super) fn matched_tokens(overlap: usize, block_tokens: f64) -> f64 {
+    if overlap == 0 {
+        return 0.0;
+    }
+    (overlap as f64 + 0.5) * block_tokens
+}
+
 /// The prompt tokens the engine will report from its cache for a request
 /// whose `matched_tokens` it holds: never more than the prompt, and only
 /// whole engine blocks (an engine caches and reuses whole blocks; a match

@@ -294,7 +294,7 @@ impl Router {
         decision.cost = decision.costs.get(chosen.id.0).copied().flatten().unwrap_or_default();
         decision.predicted_cached_blocks = u32::try_from(chosen.overlap).unwrap_or(u32::MAX);
         decision.predicted_cached_tokens = cost::engine_cached_tokens(
-            chosen.overlap as f64 * block_tokens,
+            cost::matched_tokens(chosen.overlap, block_tokens),
             request_tokens,
             self.workers.get(chosen.id.0).and_then(|w| w.engine_block_tokens),
         );

@@ -97,7 +97,8 @@ fn predicted_cached_tokens_come_in_whole_engine_blocks_once_the_block_size_is_kn
     let mut r = Router::new(RouterConfig::default(), ["10.0.0.1:8000".to_owned()]);
     let first = pick(&mut r, 256, 1_000);
     assert_eq!(first.predicted_cached_tokens, 0);
-    // 4 blocks of 256 bytes at the default 4 bytes per token: 256 tokens.
+    // 4 blocks of 256 bytes at the default 4 bytes per token, and half the
+    // next block on average: 288 tokens, capped at the 256-token prompt.
     let second = pick(&mut r, 256, 2_000);
     assert_eq!(second.predicted_cached_blocks, 4);
     assert_eq!(second.predicted_cached_tokens, 256);
@@ -134,4 +135,28 @@ fn the_workers_page_shows_the_queue_drained_to_the_moment_it_is_read() {
     assert_eq!(r.workers_at(1_100)[0].queued_prefill_tokens, 0.0);
     // Reading is not draining: the state is untouched until the next Pick.
     assert_eq!(r.workers()[0].queued_prefill_tokens, 256.0);
+}
+
+#[test]
+fn a_predicted_match_reaches_half_way_into_the_block_after_the_last_one_matched() {
+    let mut r = Router::new(RouterConfig::default(), ["10.0.0.1:8000".to_owned()]);
+    let longer = |r: &mut Router, now_ms| {
+        r.pick(PickInput {
+            block_hashes: &[1, 2, 3, 4, 5, 6, 7, 8],
+            block_bytes: 256,
+            prompt_bytes: 8 * 256 + 100,
+            session_id: "s",
+            model: "m",
+            now_ms,
+            ..PickInput::default()
+        })
+    };
+    pick(&mut r, 256, 1_000);
+    // 4 of 8 blocks held, 64 tokens each: the prefix ends in the fifth.
+    let d = longer(&mut r, 2_000);
+    assert_eq!((d.predicted_cached_blocks, d.predicted_cached_tokens), (4, 288));
+    // In whole engine blocks of 96 tokens: 3 of them.
+    r.set_engine_block_tokens(WorkerId(0), 96);
+    let d = longer(&mut r, 3_000);
+    assert_eq!((d.predicted_cached_blocks, d.predicted_cached_tokens), (8, 480));
 }

@@ -21,6 +21,7 @@ impl Fleet {
             pick_id,
             ranked: vec![WorkerId(worker)],
             predicted_cached_blocks: predicted as u32,
+            predicted_cached_tokens: predicted as u64 * 64,
             best_overlap: reachable as u32,
             overlaps: self.overlaps.clone(),
             costs: (0..4)

@@ -1,6 +1,6 @@
 //! The Grafana dashboard shipped in `envoy/grafana/`: a well-formed
 //! dashboard of Grafana's classic JSON model, and every metric its queries
-//! name is exported by a live sidecar or Envoy after agent traffic.
+//! name is exported by a live sidecar, Envoy or engine after agent traffic.
 
 use std::collections::BTreeSet;
 
@@ -219,6 +219,13 @@ async fn every_metric_the_dashboard_queries_is_exported() -> anyhow::Result<()> 
     exported.extend(exported_names(&envoy));
     let mut labels = label_names(&sidecar);
     labels.extend(label_names(&envoy));
+    // The engines' own panels read the workers (here the simulated engine,
+    // which exports vLLM's names; `vllm_apis.rs` scrapes real vLLM).
+    for index in 0..cluster.workers.len() {
+        let worker = cluster.worker_metrics(index).await?;
+        exported.extend(exported_names(&worker));
+        labels.extend(label_names(&worker));
+    }
     let mut missing = BTreeSet::new();
     for expr in expressions(&dashboard()?) {
         for name in metric_names(&expr) {

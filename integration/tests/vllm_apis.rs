@@ -3,7 +3,9 @@
 //! sidecar. A multi-turn agent session in each API vLLM serves, streamed and
 //! not, stays on one engine, and from its second call on that engine itself
 //! reports the reused prefix (whole 128-token blocks) in `usage`; the
-//! sidecar receives exactly the tokens the engines reported.
+//! sidecar receives exactly the tokens the engines reported. A real
+//! Prometheus scrapes the sidecar, Envoy and the engines meanwhile, and
+//! every query of the shipped dashboard returns series on it.
 //!
 //! One test function: a vLLM start is 20-45 s and 3 GB, so the workers are
 //! started once and every case runs against them.
@@ -12,6 +14,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvmesh_integration::prometheus::{self, Prometheus};
 use kvmesh_integration::vllm::{self, BLOCK_SIZE_TOKENS, SERVED_MODEL, VllmOptions};
 use kvmesh_integration::{Cluster, ClusterOptions, Engine, Reply};
 use serde_json::{Value, json};
@@ -170,6 +173,9 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
     })
     .await?;
     eprintln!("3 vLLM workers, sidecar and Envoy ready in {:?}", started.elapsed());
+    // A real Prometheus scrapes the sidecar, Envoy and the three engines
+    // throughout; the dashboard is evaluated on it at the end.
+    let prometheus = Prometheus::start(&cluster.dir.join("prometheus"), &prometheus::jobs(&cluster)).await?;
 
     // What each engine states about its cache, which the sidecar reads.
     for index in 0..cluster.workers.len() {
@@ -310,6 +316,36 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
     assert!(
         predicted > 0.0 && predicted % BLOCK_SIZE_TOKENS as f64 == 0.0,
         "predictions of {predicted} tokens are not whole engine blocks"
+    );
+    // Prometheus saw the engines' own counters, and every dashboard query
+    // has series: the kvmesh panels and the engines' panels alike.
+    prometheus.wait_for("sum(kvmesh_picks_total)", requests as f64).await?;
+    prometheus
+        .wait_for(r#"sum(vllm:prompt_tokens_total{job="workers"})"#, prompt_sum as f64)
+        .await?;
+    assert_eq!(
+        prometheus
+            .scalar(r#"sum(vllm:prompt_tokens_total{job="workers"})"#)
+            .await?,
+        prompt_sum as f64,
+        "the engines' prompt tokens as Prometheus scraped them"
+    );
+    for series in [
+        "kvmesh_calls_total",
+        "kvmesh_picks_total",
+        "kvmesh_picks",
+        "vllm:prefix_cache_hits_total",
+    ] {
+        prometheus
+            .wait_for(&format!("min(count_over_time({series}[1m]))"), 3.0)
+            .await?;
+    }
+    let empty = prometheus.empty_dashboard_queries().await?;
+    assert!(
+        empty.is_empty(),
+        "{} dashboard queries returned no series on real vLLM:\n{}",
+        empty.len(),
+        empty.join("\n")
     );
     // What the sidecar predicted against what the engines reported.
     for prefix in ["kvmesh_predicted_cached", "kvmesh_reported_"] {

@@ -3,11 +3,13 @@
 //! with their documented defaults. Each gets only what a real deployment of
 //! it would know.
 
+mod sglang;
+
 use std::collections::HashMap;
 
 use kvmesh_core::{Lru, Outcome, Router, RouterConfig};
 
-use super::radix::RadixTree;
+use self::sglang::SglangCacheAware;
 use super::world::{Prepared, View};
 
 /// A routing policy under simulation.
@@ -164,53 +166,6 @@ fn chunk_hashes(text: &[u8], chunk: usize, cap: usize) -> Vec<u64> {
         .collect()
 }
 
-/// The SGLang model gateway's cache-aware policy (sgl-router
-/// `cache_aware`): one character radix tree recording which worker holds
-/// which text (each worker's share bounded by max_tree_size, 2^26, least
-/// recently used leaves evicted first). Defaults from its docs:
-/// cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5.
-/// Imbalanced (max − min load > abs and max > rel · min) → least loaded;
-/// else the best match if its rate > threshold; else the smallest tree.
-struct SglangCacheAware {
-    tree: RadixTree,
-}
-
-impl SglangCacheAware {
-    fn new(workers: usize) -> Self {
-        Self {
-            tree: RadixTree::new(workers, 1 << 26),
-        }
-    }
-}
-
-impl Policy for SglangCacheAware {
-    fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let text = r.text.as_bytes();
-        let loads: Vec<usize> = (0..view.workers()).map(|w| view.in_flight(w)).collect();
-        let (min, max) = (
-            loads.iter().min().copied().unwrap_or(0),
-            loads.iter().max().copied().unwrap_or(0),
-        );
-        let imbalanced = max.saturating_sub(min) > 64 && max as f64 > 1.5 * min as f64;
-        let chosen = if imbalanced {
-            (0..view.workers()).min_by_key(|&w| (loads[w], w)).unwrap_or(0)
-        } else {
-            let matched = self.tree.matched(text);
-            let best = (0..view.workers())
-                .max_by_key(|&w| (matched[w], std::cmp::Reverse(w)))
-                .unwrap_or(0);
-            let rate = matched[best] as f64 / text.len().max(1) as f64;
-            if rate > 0.3 {
-                best
-            } else {
-                (0..view.workers()).min_by_key(|&w| (self.tree.size(w), w)).unwrap_or(0)
-            }
-        };
-        self.tree.insert(text, chosen);
-        chosen
-    }
-}
-
 /// The Gateway API Inference Extension's endpoint picker with its
 /// approximate prefix-cache plugin: 64-byte chained blocks of the prompt, at
 /// most 256 matched, an LRU of 31,250 blocks per server; scorers prefix 3,
@@ -288,7 +243,7 @@ mod tests {
     use crate::simulate::trace::Request;
     use crate::simulate::world::{World, prepare};
 
-    fn request(index: usize, session: &str, text: &str, output_tokens: u32) -> Prepared {
+    pub(super) fn request(index: usize, session: &str, text: &str, output_tokens: u32) -> Prepared {
         let r = Request {
             at_ms: 0.0,
             session: session.to_owned(),
@@ -299,13 +254,13 @@ mod tests {
         prepare(index, &r, &FilterConfig::default()).unwrap()
     }
 
-    fn text(seed: usize, kb: usize) -> String {
+    pub(super) fn text(seed: usize, kb: usize) -> String {
         format!("doc {seed}: ") + &format!("{seed} lorem ipsum dolor sit amet ").repeat(kb * 1024 / 28)
     }
 
     /// Serves `n` long requests of `kb` KB on worker `w` at time 0 (they
     /// stay in flight).
-    fn load(world: &mut World, w: usize, n: usize, kb: usize) {
+    pub(super) fn load(world: &mut World, w: usize, n: usize, kb: usize) {
         for i in 0..n {
             world.serve(w, &request(10_000 + i, "", &text(900 + i, kb), 4000), 0.0);
         }
@@ -349,23 +304,6 @@ mod tests {
             seen.insert(first);
         }
         assert_eq!(seen.len(), 8, "64 sessions should reach all 8 workers");
-    }
-
-    #[test]
-    fn sglang_follows_the_match_then_balances_past_its_thresholds() {
-        let mut world = World::new(2, 1_000_000, TimingModel::default());
-        let mut sglang = SglangCacheAware::new(2);
-        let doc = text(1, 8);
-        // First sight: both trees empty, match 0 ≤ 0.3 → the smallest tree (0).
-        assert_eq!(sglang.pick(&request(0, "", &doc, 1), &world.view(0.0)), 0);
-        // The same text again matches worker 0 above the threshold.
-        assert_eq!(sglang.pick(&request(1, "", &doc, 1), &world.view(0.0)), 0);
-        // A new text goes to the smallest tree, worker 1.
-        assert_eq!(sglang.pick(&request(2, "", &text(2, 8), 1), &world.view(0.0)), 1);
-        // 70 requests in flight on worker 0, none on 1: max − min > 64 and
-        // max > 1.5 · min → least loaded, whatever the match.
-        load(&mut world, 0, 70, 1);
-        assert_eq!(sglang.pick(&request(3, "", &doc, 1), &world.view(1.0)), 1);
     }
 
     #[test]

@@ -3,12 +3,15 @@
 //! with their documented defaults. Each gets only what a real deployment of
 //! it would know.
 
+mod gie;
+mod running;
 mod sglang;
 
 use std::collections::HashMap;
 
-use kvmesh_core::{Lru, Outcome, Router, RouterConfig};
+use kvmesh_core::{Outcome, Router, RouterConfig};
 
+use self::gie::GieApproxPrefix;
 use self::sglang::SglangCacheAware;
 use super::world::{Prepared, View};
 
@@ -44,10 +47,74 @@ pub(crate) fn make(
         "least_loaded" => Box::new(LeastLoaded),
         "session_sticky" => Box::new(SessionSticky(0)),
         "sglang_cache_aware" => Box::new(SglangCacheAware::new(workers)),
-        "gie_approx_prefix" => Box::new(GieApproxPrefix::new(workers)),
+        "gie_approx_prefix" => Box::new(GieApproxPrefix::new(workers, seed)),
         "dynamo_precise" => Box::new(DynamoPrecise),
         _ => return None,
     })
+}
+
+/// The simulated engine's KV block: vLLM's default 16 tokens, at the
+/// engine model's 4 bytes of prompt per token. The peers that see the
+/// engine's cache (KV events, `num_gpu_blocks`) count in these.
+const ENGINE_BLOCK_TOKENS: u64 = 16;
+const ENGINE_BLOCK_BYTES: usize = 64;
+
+/// The engine's chained hashes of each full block of `prompt`, as its KV
+/// events name them (a partial last block is never cached, so never named).
+fn engine_blocks(prompt: &[u8]) -> Vec<u64> {
+    let mut prev = 0u64;
+    prompt
+        .chunks_exact(ENGINE_BLOCK_BYTES)
+        .map(|block| {
+            prev = mix(prev, bytes_hash(block));
+            prev
+        })
+        .collect()
+}
+
+/// Seeded xorshift for the peers' random tie-breaks: deterministic for a
+/// seed, as every run of the simulator must be.
+#[derive(Debug, Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(mix(seed, 0x6b76_6d65_7368) | 1)
+    }
+
+    /// Uniform in `0..n` (`n` ≥ 1).
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n.max(1) as u64) as usize
+    }
+}
+
+/// The index of the smallest cost, ties uniformly at random (reservoir
+/// sampling over the tied minima, as Dynamo's zero-temperature selector).
+fn argmin_random_ties(costs: &[f64], rng: &mut Rng) -> usize {
+    let mut best = 0;
+    let mut ties = 0;
+    for (i, &c) in costs.iter().enumerate() {
+        if ties == 0 || c < costs[best] {
+            best = i;
+            ties = 1;
+        } else if c == costs[best] {
+            ties += 1;
+            if rng.below(ties) == 0 {
+                best = i;
+            }
+        }
+    }
+    best
+}
+
+/// The index of the largest score, ties uniformly at random (the
+/// max-score picker shuffles, then sorts stably).
+fn argmax_random_ties(scores: &[f64], rng: &mut Rng) -> usize {
+    let negated: Vec<f64> = scores.iter().map(|s| -s).collect();
+    argmin_random_ties(&negated, rng)
 }
 
 /// kvmesh's own core, driven exactly as the sidecar drives it: Picks with
@@ -133,8 +200,8 @@ fn mix(a: u64, b: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn string_hash(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+fn bytes_hash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
     })
 }
@@ -149,65 +216,8 @@ impl Policy for SessionSticky {
             self.0 += 1;
             return (self.0 - 1) % view.workers();
         }
-        let key = string_hash(&r.session);
+        let key = bytes_hash(r.session.as_bytes());
         (0..view.workers()).max_by_key(|&w| mix(key, w as u64)).unwrap_or(0)
-    }
-}
-
-/// Chained hashes of `chunk`-byte pieces of `text`, at most `cap` of them.
-fn chunk_hashes(text: &[u8], chunk: usize, cap: usize) -> Vec<u64> {
-    let mut prev = 0u64;
-    text.chunks(chunk)
-        .take(cap)
-        .map(|c| {
-            prev = mix(prev, string_hash(&String::from_utf8_lossy(c)));
-            prev
-        })
-        .collect()
-}
-
-/// The Gateway API Inference Extension's endpoint picker with its
-/// approximate prefix-cache plugin: 64-byte chained blocks of the prompt, at
-/// most 256 matched, an LRU of 31,250 blocks per server; scorers prefix 3,
-/// queue 2, kv-cache utilization 2, each normalized to [0, 1].
-struct GieApproxPrefix {
-    servers: Vec<Lru<u64>>,
-}
-
-impl GieApproxPrefix {
-    fn new(workers: usize) -> Self {
-        Self {
-            servers: (0..workers).map(|_| Lru::new(31_250)).collect(),
-        }
-    }
-}
-
-impl Policy for GieApproxPrefix {
-    fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let blocks = chunk_hashes(r.text.as_bytes(), 64, 256);
-        let queues: Vec<usize> = (0..view.workers()).map(|w| view.waiting(w)).collect();
-        let (qmin, qmax) = (
-            queues.iter().min().copied().unwrap_or(0),
-            queues.iter().max().copied().unwrap_or(0),
-        );
-        let score = |w: usize| {
-            let matched = blocks.iter().take_while(|b| self.servers[w].contains(b)).count();
-            let prefix = matched as f64 / blocks.len().max(1) as f64;
-            let queue = if qmax == qmin {
-                1.0
-            } else {
-                (qmax - queues[w]) as f64 / (qmax - qmin) as f64
-            };
-            let kv = 1.0 - view.kv_usage(w);
-            3.0 * prefix + 2.0 * queue + 2.0 * kv
-        };
-        let chosen = (0..view.workers())
-            .max_by(|&a, &b| score(a).total_cmp(&score(b)).then(b.cmp(&a)))
-            .unwrap_or(0);
-        for b in blocks.iter().rev() {
-            self.servers[chosen].touch(*b);
-        }
-        chosen
     }
 }
 
@@ -307,22 +317,6 @@ mod tests {
     }
 
     #[test]
-    fn gie_weighs_prefix_three_against_queue_and_kv_two_each() {
-        // Small caches, so KV utilization tells the workers apart.
-        let mut world = World::new(2, 4096, TimingModel::default());
-        let mut gie = GieApproxPrefix::new(2);
-        let doc = text(3, 8);
-        let first = gie.pick(&request(0, "", &doc, 1), &world.view(0.0));
-        assert_eq!(first, 0);
-        // Prefix (3) beats an equal queue: back to worker 0.
-        assert_eq!(gie.pick(&request(1, "", &doc, 1), &world.view(0.0)), 0);
-        // Worker 0 holds the prefix (3) but its queue is the longest (0 of
-        // 2) and its KV nearly full (~0.3 of 2); worker 1 scores 0 + 2 + 2.
-        load(&mut world, 0, 5, 3);
-        assert_eq!(gie.pick(&request(2, "", &doc, 1), &world.view(0.5)), 1);
-    }
-
-    #[test]
     fn dynamo_precise_sees_the_true_cache_and_ties_to_the_smallest_cache() {
         let mut world = World::new(3, 1_000_000, TimingModel::default());
         let doc = request(0, "", &text(5, 16), 1);
@@ -333,6 +327,25 @@ mod tests {
         // A text cached nowhere: the workers with the smallest cache (0, 1).
         let other = request(2, "", &text(6, 16), 1);
         assert_eq!(DynamoPrecise.pick(&other, &world.view(100_000.0)), 0);
+    }
+
+    #[test]
+    fn ties_go_to_a_seeded_uniform_draw_among_the_tied_only() {
+        let mut rng = Rng::new(7);
+        let mut seen = [0usize; 4];
+        for _ in 0..3000 {
+            seen[argmin_random_ties(&[2.0, 1.0, 1.0, 1.0], &mut rng)] += 1;
+        }
+        assert_eq!(seen[0], 0);
+        assert!(seen[1..].iter().all(|&n| (800..1200).contains(&n)), "{seen:?}");
+        assert_eq!(argmax_random_ties(&[0.5, 3.0, 1.0], &mut rng), 1);
+        let draw = |seed| {
+            let mut rng = Rng::new(seed);
+            (0..16)
+                .map(|_| argmin_random_ties(&[0.0; 4], &mut rng))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(3), draw(3));
     }
 
     #[test]

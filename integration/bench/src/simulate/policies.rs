@@ -1,8 +1,10 @@
 //! The routing policies compared by `simulate`: kvmesh (through the same
-//! core API as the sidecar) and reimplementations of the anchors' policies
-//! with their documented defaults. Each gets only what a real deployment of
-//! it would know.
+//! core API as the sidecar) and ports of the peers' policies with their
+//! documented defaults, one module each, every one citing the upstream file
+//! and function it follows. Each gets only what a real deployment of it
+//! would know.
 
+mod dynamo;
 mod gie;
 mod running;
 mod sglang;
@@ -11,6 +13,7 @@ use std::collections::HashMap;
 
 use kvmesh_core::{Outcome, Router, RouterConfig};
 
+use self::dynamo::Dynamo;
 use self::gie::GieApproxPrefix;
 use self::sglang::SglangCacheAware;
 use super::world::{Prepared, View};
@@ -22,15 +25,16 @@ pub(crate) trait Policy {
     fn completed(&mut self, _worker: usize, _request: &Prepared, _cached_tokens: u64, _ttft_ms: f64) {}
 }
 
-pub(crate) const ALL: [&str; 8] = [
+pub(crate) const ALL: [&str; 9] = [
     "kvmesh",
+    "dynamo",
+    "dynamo_agents",
+    "gie_approx_prefix",
+    "sglang_cache_aware",
+    "session_sticky",
+    "least_loaded",
     "round_robin",
     "random",
-    "least_loaded",
-    "session_sticky",
-    "sglang_cache_aware",
-    "gie_approx_prefix",
-    "dynamo_precise",
 ];
 
 pub(crate) fn make(
@@ -40,6 +44,11 @@ pub(crate) fn make(
     seed: u64,
     prefill_rate: f64,
 ) -> Option<Box<dyn Policy>> {
+    // `dynamo_agents@S` sweeps Dynamo's `--router-prefill-load-scale`.
+    if let Some(scale) = name.strip_prefix("dynamo_agents@") {
+        let scale: f64 = scale.parse().ok().filter(|s: &f64| s.is_finite() && *s >= 0.0)?;
+        return Some(Box::new(Dynamo::agents(workers, scale, seed)));
+    }
     Some(match name {
         "kvmesh" => Box::new(Kvmesh::new(workers, capacity_tokens, prefill_rate)),
         "round_robin" => Box::new(RoundRobin(0)),
@@ -48,7 +57,9 @@ pub(crate) fn make(
         "session_sticky" => Box::new(SessionSticky(0)),
         "sglang_cache_aware" => Box::new(SglangCacheAware::new(workers)),
         "gie_approx_prefix" => Box::new(GieApproxPrefix::new(workers, seed)),
-        "dynamo_precise" => Box::new(DynamoPrecise),
+        // `dynamo_precise` is the old name, kept for one release.
+        "dynamo" | "dynamo_precise" => Box::new(Dynamo::new(workers, seed)),
+        "dynamo_agents" => Box::new(Dynamo::agents(workers, 1.0, seed)),
         _ => return None,
     })
 }
@@ -221,29 +232,6 @@ impl Policy for SessionSticky {
     }
 }
 
-/// Dynamo's KV router with exact knowledge of every worker's cache (it
-/// cheats: it sees the engine model itself). Cost in 16-token blocks =
-/// uncached prefill blocks + active prefill blocks + active decode blocks
-/// (overlap_score_weight 1, router_temperature 0); ties to the smallest cache.
-struct DynamoPrecise;
-
-impl Policy for DynamoPrecise {
-    fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let cost = |w: usize| {
-            let cached = view.true_cached_tokens(w, &r.prompt);
-            let uncached = r.prompt_tokens.saturating_sub(cached) as f64 / 16.0;
-            uncached + view.queued_prefill_tokens(w) / 16.0 + view.active_kv_tokens(w) / 16.0
-        };
-        (0..view.workers())
-            .min_by(|&a, &b| {
-                cost(a)
-                    .total_cmp(&cost(b))
-                    .then(view.cached_blocks(a).cmp(&view.cached_blocks(b)))
-            })
-            .unwrap_or(0)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use kvmesh_request::FilterConfig;
@@ -254,10 +242,15 @@ mod tests {
     use crate::simulate::world::{World, prepare};
 
     pub(super) fn request(index: usize, session: &str, text: &str, output_tokens: u32) -> Prepared {
+        child(index, session, "", text, output_tokens)
+    }
+
+    /// A request of `session`, a child of `parent` (empty: none).
+    pub(super) fn child(index: usize, session: &str, parent: &str, text: &str, output_tokens: u32) -> Prepared {
         let r = Request {
             at_ms: 0.0,
             session: session.to_owned(),
-            parent: String::new(),
+            parent: parent.to_owned(),
             text: text.to_owned(),
             output_tokens,
         };
@@ -317,16 +310,25 @@ mod tests {
     }
 
     #[test]
-    fn dynamo_precise_sees_the_true_cache_and_ties_to_the_smallest_cache() {
-        let mut world = World::new(3, 1_000_000, TimingModel::default());
-        let doc = request(0, "", &text(5, 16), 1);
-        // Cached on worker 2 only, and finished by t = 100 s.
-        world.serve(2, &doc, 0.0);
-        let again = request(1, "", &text(5, 16), 1);
-        assert_eq!(DynamoPrecise.pick(&again, &world.view(100_000.0)), 2);
-        // A text cached nowhere: the workers with the smallest cache (0, 1).
-        let other = request(2, "", &text(6, 16), 1);
-        assert_eq!(DynamoPrecise.pick(&other, &world.view(100_000.0)), 0);
+    fn every_name_in_all_and_the_sweep_and_alias_names_make_a_policy() {
+        for name in ALL.iter().chain(&[
+            "dynamo_precise",
+            "dynamo_agents@1",
+            "dynamo_agents@2",
+            "dynamo_agents@4",
+        ]) {
+            assert!(make(name, 4, 100_000, 1, 20.0).is_some(), "{name}");
+        }
+        for name in [
+            "dynamo_agents@",
+            "dynamo_agents@-1",
+            "dynamo_agents@x",
+            "dynamo@2",
+            "nope",
+        ] {
+            assert!(make(name, 4, 100_000, 1, 20.0).is_none(), "{name}");
+        }
+        assert_eq!(ALL.iter().filter(|n| n.starts_with("dynamo")).count(), 2);
     }
 
     #[test]

@@ -129,15 +129,6 @@ impl View<'_> {
             .sum()
     }
 
-    pub(crate) fn active_kv_tokens(&self, w: usize) -> f64 {
-        self.workers[w]
-            .admitted
-            .iter()
-            .filter(|a| a.1 > self.now)
-            .map(|a| a.3)
-            .sum()
-    }
-
     /// Blocks cached over capacity, evictable ones included (not vLLM's
     /// `kv_cache_usage_perc`, which counts those as free).
     #[cfg(test)]
@@ -146,11 +137,8 @@ impl View<'_> {
         used as f64 / capacity.max(1) as f64
     }
 
-    pub(crate) fn cached_blocks(&self, w: usize) -> u64 {
-        self.workers[w].engine.cache_blocks().0
-    }
-
-    /// The engine's true cache (only `dynamo_precise` may look).
+    /// The engine's true cache (only the peers fed its KV events may look:
+    /// `dynamo*`).
     pub(crate) fn true_cached_tokens(&self, w: usize, prompt: &[u8]) -> u64 {
         self.workers[w].engine.peek_cached_tokens(prompt)
     }

@@ -1,5 +1,6 @@
 //! The KV blocks each worker's running requests hold, reference-counted so
-//! a prefix shared by several of them counts once: vLLM's
+//! a prefix shared by several of them counts once: Dynamo's router keeps
+//! exactly this of its own requests (`ActiveSequences`), and vLLM's
 //! `kv_cache_usage_perc` is this over the engine's capacity.
 
 use std::collections::HashMap;
@@ -62,6 +63,15 @@ impl RunningBlocks {
     pub(super) fn unique(&self, worker: usize) -> usize {
         self.held.get(worker).map_or(0, HashMap::len)
     }
+
+    /// How many of `blocks`, from the first, are already held on `worker`:
+    /// Dynamo counts a new request's shared blocks by prefix membership, so
+    /// a block held again after a gap is still new.
+    pub(super) fn shared_prefix(&self, worker: usize, blocks: &[u64]) -> usize {
+        self.held
+            .get(worker)
+            .map_or(0, |held| blocks.iter().take_while(|b| held.contains_key(b)).count())
+    }
 }
 
 /// vLLM's `kv_cache_usage_perc` (`vllm/v1/core/block_pool.py`
@@ -89,6 +99,11 @@ mod tests {
         // {1, 2, 3, 4}: 4 blocks, not 6.
         assert_eq!(running.unique(0), 4);
         assert_eq!(running.unique(1), 0);
+        // Dynamo's `potential_blocks_use_prefix_membership_not_set_membership`:
+        // held {1, 2, 4, 5}, a request [1, 2, 3, 5] shares 2 (5 comes after a gap).
+        let mut dynamo = RunningBlocks::new(1);
+        dynamo.add(0, 0, vec![1, 2, 4, 5]);
+        assert_eq!(dynamo.shared_prefix(0, &[1, 2, 3, 5]), 2);
         // Freeing one keeps the other's blocks; freeing both empties the worker.
         running.free(0);
         assert_eq!(running.unique(0), 3);

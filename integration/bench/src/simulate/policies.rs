@@ -6,6 +6,7 @@
 
 mod dynamo;
 mod gie;
+mod llm_d;
 mod running;
 mod sglang;
 
@@ -15,6 +16,7 @@ use kvmesh_core::{Outcome, Router, RouterConfig};
 
 use self::dynamo::Dynamo;
 use self::gie::GieApproxPrefix;
+use self::llm_d::LlmDPrecise;
 use self::sglang::SglangCacheAware;
 use super::world::{Prepared, View};
 
@@ -25,10 +27,11 @@ pub(crate) trait Policy {
     fn completed(&mut self, _worker: usize, _request: &Prepared, _cached_tokens: u64, _ttft_ms: f64) {}
 }
 
-pub(crate) const ALL: [&str; 9] = [
+pub(crate) const ALL: [&str; 10] = [
     "kvmesh",
     "dynamo",
     "dynamo_agents",
+    "llm_d_precise",
     "gie_approx_prefix",
     "sglang_cache_aware",
     "session_sticky",
@@ -57,6 +60,7 @@ pub(crate) fn make(
         "session_sticky" => Box::new(SessionSticky(0)),
         "sglang_cache_aware" => Box::new(SglangCacheAware::new(workers)),
         "gie_approx_prefix" => Box::new(GieApproxPrefix::new(workers, seed)),
+        "llm_d_precise" => Box::new(LlmDPrecise::new(workers, seed)),
         // `dynamo_precise` is the old name, kept for one release.
         "dynamo" | "dynamo_precise" => Box::new(Dynamo::new(workers, seed)),
         "dynamo_agents" => Box::new(Dynamo::agents(workers, 1.0, seed)),

@@ -138,7 +138,7 @@ impl View<'_> {
     }
 
     /// The engine's true cache (only the peers fed its KV events may look:
-    /// `dynamo*`).
+    /// `dynamo*`, `llm_d_precise`).
     pub(crate) fn true_cached_tokens(&self, w: usize, prompt: &[u8]) -> u64 {
         self.workers[w].engine.peek_cached_tokens(prompt)
     }

@@ -1,13 +1,23 @@
 //! The routing policies compared by `simulate`: kvmesh (through the same
-//! core API as the sidecar) and reimplementations of the anchors' policies
-//! with their documented defaults. Each gets only what a real deployment of
-//! it would know.
+//! core API as the sidecar) and ports of the peers' policies with their
+//! documented defaults, one module each, every one citing the upstream file
+//! and function it follows. Each gets only what a real deployment of it
+//! would know.
+
+mod dynamo;
+mod gie;
+mod llm_d;
+mod running;
+mod sglang;
 
 use std::collections::HashMap;
 
-use kvmesh_core::{Lru, Outcome, Router, RouterConfig};
+use kvmesh_core::{Outcome, Router, RouterConfig};
 
-use super::radix::RadixTree;
+use self::dynamo::Dynamo;
+use self::gie::GieApproxPrefix;
+use self::llm_d::LlmDPrecise;
+use self::sglang::SglangCacheAware;
 use super::world::{Prepared, View};
 
 /// A routing policy under simulation.
@@ -17,15 +27,17 @@ pub(crate) trait Policy {
     fn completed(&mut self, _worker: usize, _request: &Prepared, _cached_tokens: u64, _ttft_ms: f64) {}
 }
 
-pub(crate) const ALL: [&str; 8] = [
+pub(crate) const ALL: [&str; 10] = [
     "kvmesh",
+    "dynamo",
+    "dynamo_agents",
+    "llm_d_precise",
+    "gie_approx_prefix",
+    "sglang_cache_aware",
+    "session_sticky",
+    "least_loaded",
     "round_robin",
     "random",
-    "least_loaded",
-    "session_sticky",
-    "sglang_cache_aware",
-    "gie_approx_prefix",
-    "dynamo_precise",
 ];
 
 pub(crate) fn make(
@@ -35,6 +47,11 @@ pub(crate) fn make(
     seed: u64,
     prefill_rate: f64,
 ) -> Option<Box<dyn Policy>> {
+    // `dynamo_agents@S` sweeps Dynamo's `--router-prefill-load-scale`.
+    if let Some(scale) = name.strip_prefix("dynamo_agents@") {
+        let scale: f64 = scale.parse().ok().filter(|s: &f64| s.is_finite() && *s >= 0.0)?;
+        return Some(Box::new(Dynamo::agents(workers, scale, seed)));
+    }
     Some(match name {
         "kvmesh" => Box::new(Kvmesh::new(workers, capacity_tokens, prefill_rate)),
         "round_robin" => Box::new(RoundRobin(0)),
@@ -42,10 +59,77 @@ pub(crate) fn make(
         "least_loaded" => Box::new(LeastLoaded),
         "session_sticky" => Box::new(SessionSticky(0)),
         "sglang_cache_aware" => Box::new(SglangCacheAware::new(workers)),
-        "gie_approx_prefix" => Box::new(GieApproxPrefix::new(workers)),
-        "dynamo_precise" => Box::new(DynamoPrecise),
+        "gie_approx_prefix" => Box::new(GieApproxPrefix::new(workers, seed)),
+        "llm_d_precise" => Box::new(LlmDPrecise::new(workers, seed)),
+        // `dynamo_precise` is the old name, kept for one release.
+        "dynamo" | "dynamo_precise" => Box::new(Dynamo::new(workers, seed)),
+        "dynamo_agents" => Box::new(Dynamo::agents(workers, 1.0, seed)),
         _ => return None,
     })
+}
+
+/// The simulated engine's KV block: vLLM's default 16 tokens, at the
+/// engine model's 4 bytes of prompt per token. The peers that see the
+/// engine's cache (KV events, `num_gpu_blocks`) count in these.
+const ENGINE_BLOCK_TOKENS: u64 = 16;
+const ENGINE_BLOCK_BYTES: usize = 64;
+
+/// The engine's chained hashes of each full block of `prompt`, as its KV
+/// events name them (a partial last block is never cached, so never named).
+fn engine_blocks(prompt: &[u8]) -> Vec<u64> {
+    let mut prev = 0u64;
+    prompt
+        .chunks_exact(ENGINE_BLOCK_BYTES)
+        .map(|block| {
+            prev = mix(prev, bytes_hash(block));
+            prev
+        })
+        .collect()
+}
+
+/// Seeded xorshift for the peers' random tie-breaks: deterministic for a
+/// seed, as every run of the simulator must be.
+#[derive(Debug, Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(mix(seed, 0x6b76_6d65_7368) | 1)
+    }
+
+    /// Uniform in `0..n` (`n` ≥ 1).
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n.max(1) as u64) as usize
+    }
+}
+
+/// The index of the smallest cost, ties uniformly at random (reservoir
+/// sampling over the tied minima, as Dynamo's zero-temperature selector).
+fn argmin_random_ties(costs: &[f64], rng: &mut Rng) -> usize {
+    let mut best = 0;
+    let mut ties = 0;
+    for (i, &c) in costs.iter().enumerate() {
+        if ties == 0 || c < costs[best] {
+            best = i;
+            ties = 1;
+        } else if c == costs[best] {
+            ties += 1;
+            if rng.below(ties) == 0 {
+                best = i;
+            }
+        }
+    }
+    best
+}
+
+/// The index of the largest score, ties uniformly at random (the
+/// max-score picker shuffles, then sorts stably).
+fn argmax_random_ties(scores: &[f64], rng: &mut Rng) -> usize {
+    let negated: Vec<f64> = scores.iter().map(|s| -s).collect();
+    argmin_random_ties(&negated, rng)
 }
 
 /// kvmesh's own core, driven exactly as the sidecar drives it: Picks with
@@ -131,8 +215,8 @@ fn mix(a: u64, b: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn string_hash(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+fn bytes_hash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
     })
 }
@@ -147,135 +231,8 @@ impl Policy for SessionSticky {
             self.0 += 1;
             return (self.0 - 1) % view.workers();
         }
-        let key = string_hash(&r.session);
+        let key = bytes_hash(r.session.as_bytes());
         (0..view.workers()).max_by_key(|&w| mix(key, w as u64)).unwrap_or(0)
-    }
-}
-
-/// Chained hashes of `chunk`-byte pieces of `text`, at most `cap` of them.
-fn chunk_hashes(text: &[u8], chunk: usize, cap: usize) -> Vec<u64> {
-    let mut prev = 0u64;
-    text.chunks(chunk)
-        .take(cap)
-        .map(|c| {
-            prev = mix(prev, string_hash(&String::from_utf8_lossy(c)));
-            prev
-        })
-        .collect()
-}
-
-/// The SGLang model gateway's cache-aware policy (sgl-router
-/// `cache_aware`): one character radix tree recording which worker holds
-/// which text (each worker's share bounded by max_tree_size, 2^26, least
-/// recently used leaves evicted first). Defaults from its docs:
-/// cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5.
-/// Imbalanced (max − min load > abs and max > rel · min) → least loaded;
-/// else the best match if its rate > threshold; else the smallest tree.
-struct SglangCacheAware {
-    tree: RadixTree,
-}
-
-impl SglangCacheAware {
-    fn new(workers: usize) -> Self {
-        Self {
-            tree: RadixTree::new(workers, 1 << 26),
-        }
-    }
-}
-
-impl Policy for SglangCacheAware {
-    fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let text = r.text.as_bytes();
-        let loads: Vec<usize> = (0..view.workers()).map(|w| view.in_flight(w)).collect();
-        let (min, max) = (
-            loads.iter().min().copied().unwrap_or(0),
-            loads.iter().max().copied().unwrap_or(0),
-        );
-        let imbalanced = max.saturating_sub(min) > 64 && max as f64 > 1.5 * min as f64;
-        let chosen = if imbalanced {
-            (0..view.workers()).min_by_key(|&w| (loads[w], w)).unwrap_or(0)
-        } else {
-            let matched = self.tree.matched(text);
-            let best = (0..view.workers())
-                .max_by_key(|&w| (matched[w], std::cmp::Reverse(w)))
-                .unwrap_or(0);
-            let rate = matched[best] as f64 / text.len().max(1) as f64;
-            if rate > 0.3 {
-                best
-            } else {
-                (0..view.workers()).min_by_key(|&w| (self.tree.size(w), w)).unwrap_or(0)
-            }
-        };
-        self.tree.insert(text, chosen);
-        chosen
-    }
-}
-
-/// The Gateway API Inference Extension's endpoint picker with its
-/// approximate prefix-cache plugin: 64-byte chained blocks of the prompt, at
-/// most 256 matched, an LRU of 31,250 blocks per server; scorers prefix 3,
-/// queue 2, kv-cache utilization 2, each normalized to [0, 1].
-struct GieApproxPrefix {
-    servers: Vec<Lru<u64>>,
-}
-
-impl GieApproxPrefix {
-    fn new(workers: usize) -> Self {
-        Self {
-            servers: (0..workers).map(|_| Lru::new(31_250)).collect(),
-        }
-    }
-}
-
-impl Policy for GieApproxPrefix {
-    fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let blocks = chunk_hashes(r.text.as_bytes(), 64, 256);
-        let queues: Vec<usize> = (0..view.workers()).map(|w| view.waiting(w)).collect();
-        let (qmin, qmax) = (
-            queues.iter().min().copied().unwrap_or(0),
-            queues.iter().max().copied().unwrap_or(0),
-        );
-        let score = |w: usize| {
-            let matched = blocks.iter().take_while(|b| self.servers[w].contains(b)).count();
-            let prefix = matched as f64 / blocks.len().max(1) as f64;
-            let queue = if qmax == qmin {
-                1.0
-            } else {
-                (qmax - queues[w]) as f64 / (qmax - qmin) as f64
-            };
-            let kv = 1.0 - view.kv_usage(w);
-            3.0 * prefix + 2.0 * queue + 2.0 * kv
-        };
-        let chosen = (0..view.workers())
-            .max_by(|&a, &b| score(a).total_cmp(&score(b)).then(b.cmp(&a)))
-            .unwrap_or(0);
-        for b in blocks.iter().rev() {
-            self.servers[chosen].touch(*b);
-        }
-        chosen
-    }
-}
-
-/// Dynamo's KV router with exact knowledge of every worker's cache (it
-/// cheats: it sees the engine model itself). Cost in 16-token blocks =
-/// uncached prefill blocks + active prefill blocks + active decode blocks
-/// (overlap_score_weight 1, router_temperature 0); ties to the smallest cache.
-struct DynamoPrecise;
-
-impl Policy for DynamoPrecise {
-    fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let cost = |w: usize| {
-            let cached = view.true_cached_tokens(w, &r.prompt);
-            let uncached = r.prompt_tokens.saturating_sub(cached) as f64 / 16.0;
-            uncached + view.queued_prefill_tokens(w) / 16.0 + view.active_kv_tokens(w) / 16.0
-        };
-        (0..view.workers())
-            .min_by(|&a, &b| {
-                cost(a)
-                    .total_cmp(&cost(b))
-                    .then(view.cached_blocks(a).cmp(&view.cached_blocks(b)))
-            })
-            .unwrap_or(0)
     }
 }
 
@@ -288,24 +245,29 @@ mod tests {
     use crate::simulate::trace::Request;
     use crate::simulate::world::{World, prepare};
 
-    fn request(index: usize, session: &str, text: &str, output_tokens: u32) -> Prepared {
+    pub(super) fn request(index: usize, session: &str, text: &str, output_tokens: u32) -> Prepared {
+        child(index, session, "", text, output_tokens)
+    }
+
+    /// A request of `session`, a child of `parent` (empty: none).
+    pub(super) fn child(index: usize, session: &str, parent: &str, text: &str, output_tokens: u32) -> Prepared {
         let r = Request {
             at_ms: 0.0,
             session: session.to_owned(),
-            parent: String::new(),
+            parent: parent.to_owned(),
             text: text.to_owned(),
             output_tokens,
         };
         prepare(index, &r, &FilterConfig::default()).unwrap()
     }
 
-    fn text(seed: usize, kb: usize) -> String {
+    pub(super) fn text(seed: usize, kb: usize) -> String {
         format!("doc {seed}: ") + &format!("{seed} lorem ipsum dolor sit amet ").repeat(kb * 1024 / 28)
     }
 
     /// Serves `n` long requests of `kb` KB on worker `w` at time 0 (they
     /// stay in flight).
-    fn load(world: &mut World, w: usize, n: usize, kb: usize) {
+    pub(super) fn load(world: &mut World, w: usize, n: usize, kb: usize) {
         for i in 0..n {
             world.serve(w, &request(10_000 + i, "", &text(900 + i, kb), 4000), 0.0);
         }
@@ -352,49 +314,44 @@ mod tests {
     }
 
     #[test]
-    fn sglang_follows_the_match_then_balances_past_its_thresholds() {
-        let mut world = World::new(2, 1_000_000, TimingModel::default());
-        let mut sglang = SglangCacheAware::new(2);
-        let doc = text(1, 8);
-        // First sight: both trees empty, match 0 ≤ 0.3 → the smallest tree (0).
-        assert_eq!(sglang.pick(&request(0, "", &doc, 1), &world.view(0.0)), 0);
-        // The same text again matches worker 0 above the threshold.
-        assert_eq!(sglang.pick(&request(1, "", &doc, 1), &world.view(0.0)), 0);
-        // A new text goes to the smallest tree, worker 1.
-        assert_eq!(sglang.pick(&request(2, "", &text(2, 8), 1), &world.view(0.0)), 1);
-        // 70 requests in flight on worker 0, none on 1: max − min > 64 and
-        // max > 1.5 · min → least loaded, whatever the match.
-        load(&mut world, 0, 70, 1);
-        assert_eq!(sglang.pick(&request(3, "", &doc, 1), &world.view(1.0)), 1);
+    fn every_name_in_all_and_the_sweep_and_alias_names_make_a_policy() {
+        for name in ALL.iter().chain(&[
+            "dynamo_precise",
+            "dynamo_agents@1",
+            "dynamo_agents@2",
+            "dynamo_agents@4",
+        ]) {
+            assert!(make(name, 4, 100_000, 1, 20.0).is_some(), "{name}");
+        }
+        for name in [
+            "dynamo_agents@",
+            "dynamo_agents@-1",
+            "dynamo_agents@x",
+            "dynamo@2",
+            "nope",
+        ] {
+            assert!(make(name, 4, 100_000, 1, 20.0).is_none(), "{name}");
+        }
+        assert_eq!(ALL.iter().filter(|n| n.starts_with("dynamo")).count(), 2);
     }
 
     #[test]
-    fn gie_weighs_prefix_three_against_queue_and_kv_two_each() {
-        // Small caches, so KV utilization tells the workers apart.
-        let mut world = World::new(2, 4096, TimingModel::default());
-        let mut gie = GieApproxPrefix::new(2);
-        let doc = text(3, 8);
-        let first = gie.pick(&request(0, "", &doc, 1), &world.view(0.0));
-        assert_eq!(first, 0);
-        // Prefix (3) beats an equal queue: back to worker 0.
-        assert_eq!(gie.pick(&request(1, "", &doc, 1), &world.view(0.0)), 0);
-        // Worker 0 holds the prefix (3) but its queue is the longest (0 of
-        // 2) and its KV nearly full (~0.3 of 2); worker 1 scores 0 + 2 + 2.
-        load(&mut world, 0, 5, 3);
-        assert_eq!(gie.pick(&request(2, "", &doc, 1), &world.view(0.5)), 1);
-    }
-
-    #[test]
-    fn dynamo_precise_sees_the_true_cache_and_ties_to_the_smallest_cache() {
-        let mut world = World::new(3, 1_000_000, TimingModel::default());
-        let doc = request(0, "", &text(5, 16), 1);
-        // Cached on worker 2 only, and finished by t = 100 s.
-        world.serve(2, &doc, 0.0);
-        let again = request(1, "", &text(5, 16), 1);
-        assert_eq!(DynamoPrecise.pick(&again, &world.view(100_000.0)), 2);
-        // A text cached nowhere: the workers with the smallest cache (0, 1).
-        let other = request(2, "", &text(6, 16), 1);
-        assert_eq!(DynamoPrecise.pick(&other, &world.view(100_000.0)), 0);
+    fn ties_go_to_a_seeded_uniform_draw_among_the_tied_only() {
+        let mut rng = Rng::new(7);
+        let mut seen = [0usize; 4];
+        for _ in 0..3000 {
+            seen[argmin_random_ties(&[2.0, 1.0, 1.0, 1.0], &mut rng)] += 1;
+        }
+        assert_eq!(seen[0], 0);
+        assert!(seen[1..].iter().all(|&n| (800..1200).contains(&n)), "{seen:?}");
+        assert_eq!(argmax_random_ties(&[0.5, 3.0, 1.0], &mut rng), 1);
+        let draw = |seed| {
+            let mut rng = Rng::new(seed);
+            (0..16)
+                .map(|_| argmin_random_ties(&[0.0; 4], &mut rng))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(3), draw(3));
     }
 
     #[test]

@@ -37,6 +37,7 @@ impl RadixTree {
         }
     }
 
+    #[cfg(test)]
     pub(crate) fn size(&self, worker: usize) -> usize {
         self.size[worker]
     }

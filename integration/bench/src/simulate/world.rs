@@ -129,27 +129,30 @@ impl View<'_> {
             .sum()
     }
 
-    pub(crate) fn active_kv_tokens(&self, w: usize) -> f64 {
-        self.workers[w]
-            .admitted
-            .iter()
-            .filter(|a| a.1 > self.now)
-            .map(|a| a.3)
-            .sum()
-    }
-
+    /// Blocks cached over capacity, evictable ones included (not vLLM's
+    /// `kv_cache_usage_perc`, which counts those as free).
+    #[cfg(test)]
     pub(crate) fn kv_usage(&self, w: usize) -> f64 {
         let (used, capacity) = self.workers[w].engine.cache_blocks();
         used as f64 / capacity.max(1) as f64
     }
 
-    pub(crate) fn cached_blocks(&self, w: usize) -> u64 {
-        self.workers[w].engine.cache_blocks().0
-    }
-
-    /// The engine's true cache (only `dynamo_precise` may look).
+    /// The engine's true cache (only the peers fed its KV events may look:
+    /// `dynamo*`, `llm_d_precise`).
     pub(crate) fn true_cached_tokens(&self, w: usize, prompt: &[u8]) -> u64 {
         self.workers[w].engine.peek_cached_tokens(prompt)
+    }
+}
+
+/// What the peer ports read of an engine beyond the above, each what that
+/// peer's own deployment reads (kept apart so the engine model can change
+/// under them).
+impl View<'_> {
+    /// vLLM's `num_gpu_blocks` (the `vllm:cache_config_info` gauge's label):
+    /// the engine's KV capacity in blocks, which GIE's AutoTune sizes its
+    /// per-server LRU from.
+    pub(crate) fn num_gpu_blocks(&self, w: usize) -> u64 {
+        self.workers[w].engine.cache_blocks().1
     }
 }
 

@@ -8,7 +8,7 @@
 //! would be cached. `kvmesh-bench serve` starts the same deployment and
 //! waits, for other clients (AIPerf).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -148,7 +148,9 @@ pub(crate) struct Options {
     /// predicted blocks at the learned bytes per token, in whole engine
     /// blocks once the engine's block size is known) and
     /// `prediction_error` (mean over calls of |predicted − reported| /
-    /// prompt tokens); the file also lists every paired call (`calls`).
+    /// prompt tokens), `per_worker` calls and computed prompt tokens with
+    /// their `imbalance` (max over mean); the file also lists every paired
+    /// call (`calls`).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -321,6 +323,23 @@ async fn predictions(cluster: &Cluster, requests: &[trace::Request], results: &[
         }
     }
     let mean_error = errors.iter().sum::<f64>() / errors.len().max(1) as f64;
+    // Where the calls went: calls and computed (uncached) prompt tokens per
+    // worker, and the imbalance of the latter (max over mean), as `simulate`
+    // reports it.
+    let mut per_worker: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for call in &calls {
+        let worker = per_worker
+            .entry(call["destination"].as_str().unwrap_or_default().to_owned())
+            .or_default();
+        worker.0 += 1;
+        worker.1 += call["prompt_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+            .saturating_sub(call["reported_cached_tokens"].as_u64().unwrap_or(0));
+    }
+    let computed: Vec<f64> = per_worker.values().map(|w| w.1 as f64).collect();
+    let mean_computed = computed.iter().sum::<f64>() / computed.len().max(1) as f64;
+    let imbalance = computed.iter().copied().fold(0.0, f64::max) / mean_computed.max(1.0);
     Ok(json!({
         "predicted_cached_tokens": predicted_tokens.round(),
         "predicted_cached_blocks": predicted_blocks,
@@ -328,6 +347,8 @@ async fn predictions(cluster: &Cluster, requests: &[trace::Request], results: &[
         "prediction_error": mean_error,
         "prediction_error_calls": errors.len(),
         "prediction_unpaired_calls": unpaired,
+        "per_worker": per_worker.iter().map(|(w, (calls, computed))| (w.clone(), json!({"calls": calls, "computed_prompt_tokens": computed}))).collect::<serde_json::Map<_, _>>(),
+        "imbalance": imbalance,
         "calls": calls,
     }))
 }

@@ -17,8 +17,9 @@ pub(crate) trait Policy {
     fn completed(&mut self, _worker: usize, _request: &Prepared, _cached_tokens: u64, _ttft_ms: f64) {}
 }
 
-pub(crate) const ALL: [&str; 8] = [
+pub(crate) const ALL: [&str; 9] = [
     "kvmesh",
+    "kvmesh_oracle",
     "round_robin",
     "random",
     "least_loaded",
@@ -37,6 +38,7 @@ pub(crate) fn make(
 ) -> Option<Box<dyn Policy>> {
     Some(match name {
         "kvmesh" => Box::new(Kvmesh::new(workers, capacity_tokens, prefill_rate)),
+        "kvmesh_oracle" => Box::new(super::oracle::KvmeshOracle::new(workers, capacity_tokens, prefill_rate)),
         "round_robin" => Box::new(RoundRobin(0)),
         "random" => Box::new(Random(seed | 1)),
         "least_loaded" => Box::new(LeastLoaded),

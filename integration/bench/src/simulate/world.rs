@@ -193,7 +193,8 @@ impl View<'_> {
         self.workers[w].engine.cache_blocks().0
     }
 
-    /// The engine's true cache (only `dynamo_precise` may look).
+    /// The engine's true cache (only the policies standing for a precise
+    /// view may look: `dynamo_precise`, `kvmesh_oracle`).
     pub(crate) fn true_cached_tokens(&self, w: usize, prompt: &[u8]) -> u64 {
         self.workers[w].engine.peek_cached_tokens(prompt)
     }

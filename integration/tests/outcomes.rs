@@ -10,8 +10,9 @@ use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aborted_and_failed_requests_release_their_in_flight_slot() -> anyhow::Result<()> {
     let mut cluster = Cluster::start(ClusterOptions {
-        // Real-time decode: a 2,000-token answer streams for seconds.
-        sim_args: vec!["--time-scale".into(), "1".into(), "--decode-step-ms".into(), "2".into()],
+        // Real-time decode: a 2,000-token answer streams for seconds (6.7 GB
+        // of weights at 3.35 TB/s: 2 ms a step).
+        sim_args: vec!["--time-scale".into(), "1".into(), "--weight-gb".into(), "6.7".into()],
         ..ClusterOptions::default()
     })
     .await?;

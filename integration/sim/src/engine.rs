@@ -2,7 +2,9 @@
 //! templated prompt with LRU eviction inside a token capacity, the counters
 //! vLLM and SGLang export (rendered under either engine's names), and the
 //! faults a real engine goes through: a restart and a cache reset. Tokens are
-//! approximated as 4 bytes each.
+//! approximated as 4 bytes each. A prompt is looked up when its prefill
+//! starts (`begin_prefill`) and its blocks enter the cache as the prefill
+//! computes them (`cache_computed`), as in vLLM, not when it arrives.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -12,7 +14,7 @@ use sha2::{Digest, Sha256};
 /// Tokens per KV block, as vLLM's default block size.
 const BLOCK_TOKENS: u64 = 16;
 /// Bytes per token: a rough average of English text and code under BPE.
-const BYTES_PER_TOKEN: u64 = 4;
+pub const BYTES_PER_TOKEN: u64 = 4;
 const BLOCK_BYTES: usize = (BLOCK_TOKENS * BYTES_PER_TOKEN) as usize;
 
 #[derive(Debug, Clone, Copy)]
@@ -34,6 +36,23 @@ impl Served {
     }
 }
 
+/// A prompt whose prefill has started: its block chain, and how much of it
+/// the cache already held.
+#[derive(Debug, Clone)]
+pub struct Prefill {
+    pub served: Served,
+    blocks: Vec<[u8; 32]>,
+    /// Blocks in the cache by now: the hits, then the computed ones.
+    cached_blocks: usize,
+}
+
+impl Prefill {
+    /// Whether every full block is computed and cached.
+    pub fn done(&self) -> bool {
+        self.cached_blocks == self.blocks.len()
+    }
+}
+
 /// SGLang's page size as the sim reports it: the sim's own block size.
 const SGLANG_PAGE_SIZE: u64 = BLOCK_TOKENS;
 
@@ -42,6 +61,9 @@ pub struct Engine {
     cache: Lru<[u8; 32]>,
     capacity_blocks: u64,
     running: u64,
+    /// KV tokens the running requests attend: what a decode step reads
+    /// besides the weights.
+    attended_kv_tokens: u64,
     /// Requests admitted and waiting for the prefill lane.
     waiting: u64,
     /// Requests ever admitted; it numbers response ids, so it survives a
@@ -61,6 +83,7 @@ impl Engine {
             cache: Lru::new(usize::try_from(capacity_blocks).unwrap_or(usize::MAX)),
             capacity_blocks,
             running: 0,
+            attended_kv_tokens: 0,
             waiting: 0,
             requests: 0,
             prefix_queries_tokens: 0,
@@ -114,12 +137,20 @@ impl Engine {
         (self.cache.len() as u64, self.capacity_blocks)
     }
 
-    /// Looks the prompt up in the cache, then caches all its full blocks, as
-    /// vLLM's automatic prefix caching does once the prefill completes.
+    /// Looks the prompt up and caches all its full blocks at once: a prefill
+    /// that starts and completes in one step (the infinite-cache bound,
+    /// tests).
     pub fn admit(&mut self, prompt: &[u8]) -> Served {
+        let mut prefill = self.begin_prefill(prompt);
+        self.cache_computed(&mut prefill, u64::MAX);
+        prefill.served
+    }
+
+    /// The prefill of `prompt` starts: its leading cached blocks are hits
+    /// (and touched, as a running request holds them), the rest are still
+    /// to compute. The request counts as running from here.
+    pub fn begin_prefill(&mut self, prompt: &[u8]) -> Prefill {
         let prompt_tokens = (prompt.len() as u64).div_ceil(BYTES_PER_TOKEN);
-        // Look every block up first, then cache them: touching as it goes
-        // could evict a later block of this very prompt before its lookup.
         let mut chain = [0u8; 32];
         let blocks: Vec<[u8; 32]> = prompt
             .chunks_exact(BLOCK_BYTES)
@@ -128,29 +159,70 @@ impl Engine {
                 chain
             })
             .collect();
-        let hits = blocks.iter().take_while(|b| self.cache.contains(b)).count() as u64;
-        // Last block first, so the prompt's first block ends newest: like
-        // vLLM, which frees a finished request's blocks tail first, the end
-        // of a prefix is evicted before its shared beginning.
-        for block in blocks.into_iter().rev() {
-            self.cache.touch(block);
+        // Look every block up first, then touch: touching as it goes could
+        // evict a later block of this very prompt before its lookup.
+        let hits = blocks.iter().take_while(|b| self.cache.contains(b)).count();
+        for block in blocks[..hits].iter().rev() {
+            self.cache.touch(*block);
         }
         self.requests += 1;
         self.running += 1;
-        let cached_tokens = hits * BLOCK_TOKENS;
+        let cached_tokens = hits as u64 * BLOCK_TOKENS;
         self.prefix_queries_tokens += prompt_tokens;
         self.prefix_hits_tokens += cached_tokens;
         self.prompt_tokens += prompt_tokens;
-        Served {
-            request_id: self.requests,
-            prompt_tokens,
-            cached_tokens,
+        Prefill {
+            served: Served {
+                request_id: self.requests,
+                prompt_tokens,
+                cached_tokens,
+            },
+            blocks,
+            cached_blocks: hits,
         }
     }
 
-    /// Requests running: admitted, past the prefill queue, not finished.
+    /// `computed_tokens` of the prefill's uncached tokens are computed by
+    /// now: their full blocks enter the cache. When the last one does, the
+    /// whole prompt is touched last block first, so its first block ends
+    /// newest: like vLLM, which frees a finished request's blocks tail
+    /// first, the end of a prefix is evicted before its shared beginning.
+    pub fn cache_computed(&mut self, prefill: &mut Prefill, computed_tokens: u64) {
+        let hits = prefill.served.cached_tokens / BLOCK_TOKENS;
+        let computed_blocks = computed_tokens / BLOCK_TOKENS;
+        let upto = usize::try_from(hits.saturating_add(computed_blocks))
+            .unwrap_or(usize::MAX)
+            .min(prefill.blocks.len());
+        if upto <= prefill.cached_blocks {
+            return;
+        }
+        let fresh = prefill.cached_blocks..upto;
+        prefill.cached_blocks = upto;
+        if prefill.done() {
+            for block in prefill.blocks.iter().rev() {
+                self.cache.touch(*block);
+            }
+        } else {
+            for block in prefill.blocks[fresh].iter().rev() {
+                self.cache.touch(*block);
+            }
+        }
+    }
+
+    /// Requests running: past the prefill queue, not finished.
     pub fn running(&self) -> u64 {
-        self.running.saturating_sub(self.waiting)
+        self.running
+    }
+
+    /// KV tokens the decoding requests attend (see `TimingModel::decode_step`).
+    pub fn attended_kv_tokens(&self) -> u64 {
+        self.attended_kv_tokens
+    }
+
+    /// A request decodes over `tokens` more tokens of KV: its prompt when
+    /// its decode starts, then one per token it generates.
+    pub fn attend(&mut self, tokens: u64) {
+        self.attended_kv_tokens = self.attended_kv_tokens.saturating_add(tokens);
     }
 
     /// Requests waiting for the prefill lane.
@@ -168,8 +240,11 @@ impl Engine {
         self.waiting = self.waiting.saturating_sub(1);
     }
 
-    pub fn finish(&mut self) {
+    /// A request finishes; it attended `attended_tokens` (what it added
+    /// through `attend`).
+    pub fn finish(&mut self, attended_tokens: u64) {
         self.running = self.running.saturating_sub(1);
+        self.attended_kv_tokens = self.attended_kv_tokens.saturating_sub(attended_tokens);
     }
 
     fn kv_usage(&self) -> f64 {
@@ -264,6 +339,44 @@ mod tests {
     }
 
     #[test]
+    fn blocks_enter_the_cache_as_the_prefill_computes_them() {
+        let mut engine = Engine::new(EngineConfig { capacity_tokens: 1600 });
+        let a = prompt(1, 5);
+        let mut prefill = engine.begin_prefill(&a);
+        assert_eq!(prefill.served.cached_tokens, 0);
+        // Started, nothing computed: a second request finds nothing yet.
+        assert_eq!(engine.peek_cached_tokens(&a), 0);
+        // 20 tokens computed: one full block.
+        engine.cache_computed(&mut prefill, 20);
+        assert_eq!(engine.peek_cached_tokens(&a), 16);
+        engine.cache_computed(&mut prefill, 48);
+        assert_eq!(engine.peek_cached_tokens(&a), 48);
+        assert!(!prefill.done());
+        engine.cache_computed(&mut prefill, 80);
+        assert!(prefill.done());
+        assert_eq!(engine.peek_cached_tokens(&a), 80);
+        // The next prefill of a longer prompt hits the five, computes one.
+        let mut longer = a.clone();
+        longer.extend(prompt(50, 1));
+        let mut next = engine.begin_prefill(&longer);
+        assert_eq!(next.served.cached_tokens, 80);
+        let uncached = next.served.uncached_tokens();
+        engine.cache_computed(&mut next, uncached);
+        assert_eq!(engine.peek_cached_tokens(&longer), 96);
+    }
+
+    #[test]
+    fn attended_kv_follows_the_decoding_requests() {
+        let mut engine = Engine::new(EngineConfig { capacity_tokens: 1600 });
+        engine.attend(1000);
+        engine.attend(500);
+        engine.attend(1);
+        assert_eq!(engine.attended_kv_tokens(), 1501);
+        engine.finish(1001);
+        assert_eq!(engine.attended_kv_tokens(), 500);
+    }
+
+    #[test]
     fn metrics_and_usage_agree_with_what_it_did() {
         let mut engine = Engine::new(EngineConfig { capacity_tokens: 1600 });
         let a = prompt(1, 10);
@@ -271,7 +384,7 @@ mod tests {
         let prompt_total: u64 = served.iter().map(|s| s.prompt_tokens).sum();
         let cached_total: u64 = served.iter().map(|s| s.cached_tokens).sum();
         assert_eq!((prompt_total, cached_total), (400, 160));
-        engine.finish();
+        engine.finish(0);
         let text = engine.render_vllm_metrics();
         assert!(
             text.contains(&format!("vllm:prefix_cache_queries_total {prompt_total}\n")),

@@ -5,8 +5,10 @@
 //! or SGLang's (`--metrics-names`). `POST /admin/restart` and
 //! `POST /admin/reset-cache` simulate an engine restart and a cache reset.
 //!
-//! Timing is a first model: prefill time proportional to uncached prompt
-//! tokens and a fixed time per output token, both scaled by `--time-scale`.
+//! Timing is `kvmesh_sim::timing`, scaled by `--time-scale`: prefills one at
+//! a time, each prompt looked up when its prefill starts and its blocks
+//! cached chunk by chunk as they are computed; each decode step as long as
+//! reading the weights and the running batch's KV takes.
 #![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
@@ -24,7 +26,9 @@ use sha2::{Digest, Sha256};
 
 use kvmesh_sim::api::{Api, Call, Reply};
 use kvmesh_sim::engine::{Engine, EngineConfig, Served};
-use kvmesh_sim::timing::TimingModel;
+use kvmesh_sim::timing::{
+    H100_8B_KV_BYTES_PER_TOKEN, H100_8B_WEIGHT_BYTES, H100_MEMORY_BYTES_PER_MS, PREFILL_CHUNK_TOKENS, TimingModel,
+};
 
 /// kvmesh-sim: a simulated OpenAI-compatible GPU worker with a prefix cache.
 #[derive(Debug, Parser)]
@@ -44,12 +48,17 @@ struct Args {
     /// on a ~30B model: about 20).
     #[arg(long, default_value_t = 20.0)]
     prefill_tokens_per_ms: f64,
-    /// One decode step with a single running sequence, in milliseconds.
-    #[arg(long, default_value_t = 15.0)]
-    decode_step_ms: f64,
-    /// Extra decode step time per additional running sequence (fraction).
-    #[arg(long, default_value_t = 0.02)]
-    contention: f64,
+    /// Model weights read by every decode step, in GB (an 8B model in
+    /// BF16: 16.06).
+    #[arg(long, default_value_t = H100_8B_WEIGHT_BYTES / 1e9)]
+    weight_gb: f64,
+    /// KV bytes per token of context (Llama-3.1-8B: 32 layers × 8 KV heads
+    /// × 128 × K and V × 2 bytes).
+    #[arg(long, default_value_t = H100_8B_KV_BYTES_PER_TOKEN)]
+    kv_bytes_per_token: f64,
+    /// GPU memory bandwidth in TB/s (H100 SXM HBM3: 3.35).
+    #[arg(long, default_value_t = H100_MEMORY_BYTES_PER_MS * 1e3 / 1e12)]
+    memory_tb_per_s: f64,
     /// Fixed time to the first token, in milliseconds.
     #[arg(long, default_value_t = 5.0)]
     first_token_ms: f64,
@@ -124,8 +133,9 @@ async fn main() -> anyhow::Result<()> {
     });
     let timing = TimingModel {
         prefill_tokens_per_ms: args.prefill_tokens_per_ms,
-        decode_step_ms: args.decode_step_ms,
-        contention_per_sequence: args.contention,
+        weight_bytes: args.weight_gb * 1e9,
+        kv_bytes_per_token: args.kv_bytes_per_token,
+        memory_bytes_per_ms: args.memory_tb_per_s * 1e12 / 1e3,
         first_token_overhead_ms: args.first_token_ms,
         time_scale: args.time_scale,
     };
@@ -215,19 +225,50 @@ async fn serve(app: App, api: Api, headers: HeaderMap, body: Bytes) -> Response 
     tag(&app, &headers, &body, response)
 }
 
-/// Waits for the prefill lane, then prefills the uncached tokens.
-async fn prefill(app: &App, uncached_tokens: u64) {
+/// Waits for the prefill lane, looks the prompt up when its prefill starts,
+/// and caches its blocks chunk by chunk as they are computed. The request
+/// then decodes over its prompt's KV.
+async fn prefill(app: &App, prompt: &[u8]) -> Served {
     app.engine().enqueue();
     let lane = app.prefill_lane.lock().await;
-    app.engine().dequeue();
-    tokio::time::sleep(app.timing().prefill(uncached_tokens)).await;
+    let mut prefill = {
+        let mut engine = app.engine();
+        engine.dequeue();
+        engine.begin_prefill(prompt)
+    };
+    let timing = app.timing();
+    let uncached = prefill.served.uncached_tokens();
+    tokio::time::sleep(timing.prefill(0)).await;
+    let mut computed = 0;
+    while computed < uncached {
+        let chunk = PREFILL_CHUNK_TOKENS.min(uncached - computed);
+        tokio::time::sleep(timing.prefill(chunk).saturating_sub(timing.prefill(0))).await;
+        computed += chunk;
+        app.engine().cache_computed(&mut prefill, computed);
+    }
     drop(lane);
+    app.engine().attend(prefill.served.prompt_tokens);
+    prefill.served
 }
 
-/// One decode step, as long as the current batch makes it.
+/// One decode step, as long as the running batch's KV makes it; the
+/// request's own context grows by the token it generates.
 async fn decode_step(app: &App) {
-    let running = app.engine().running();
-    tokio::time::sleep(app.timing().decode_step(running)).await;
+    let attended = app.engine().attended_kv_tokens();
+    tokio::time::sleep(app.timing().decode_step(attended)).await;
+    app.engine().attend(1);
+}
+
+/// The request is done: it held its prompt and its generated tokens.
+fn finish(app: &App, served: &Served, generated: u32) {
+    app.engine().finish(served.prompt_tokens + u64::from(generated));
+}
+
+fn reply_text(app: &App, served: &Served) -> String {
+    format!(
+        "[{}] read {} prompt tokens, {} from cache.",
+        app.name, served.prompt_tokens, served.cached_tokens
+    )
 }
 
 async fn reply(app: &App, call: Call) -> Response {
@@ -237,23 +278,21 @@ async fn reply(app: &App, call: Call) -> Response {
             "injected fault",
         );
     }
-    let served: Served = app.engine().admit(&call.prompt);
-    let text = format!(
-        "[{}] read {} prompt tokens, {} from cache.",
-        app.name, served.prompt_tokens, served.cached_tokens
-    );
-    let reply = Reply { call, served, text };
-    if !reply.call.stream {
-        prefill(app, served.uncached_tokens()).await;
-        for _ in 0..reply.call.output_tokens {
+    if !call.stream {
+        let served = prefill(app, &call.prompt).await;
+        for _ in 0..call.output_tokens {
             decode_step(app).await;
         }
-        app.engine().finish();
+        finish(app, &served, call.output_tokens);
+        let text = reply_text(app, &served);
+        let reply = Reply { call, served, text };
         return axum::Json(reply.json()).into_response();
     }
     let app = app.clone();
     let events = async_stream(move |tx| async move {
-        prefill(&app, served.uncached_tokens()).await;
+        let served = prefill(&app, &call.prompt).await;
+        let text = reply_text(&app, &served);
+        let reply = Reply { call, served, text };
         for event in reply.sse_start() {
             let _ = tx.send(Bytes::from(event)).await;
         }
@@ -266,7 +305,7 @@ async fn reply(app: &App, call: Call) -> Response {
         for event in reply.sse_end() {
             let _ = tx.send(Bytes::from(event)).await;
         }
-        app.engine().finish();
+        finish(&app, &reply.served, reply.call.output_tokens);
     });
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")

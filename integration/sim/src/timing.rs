@@ -1,38 +1,59 @@
 //! How long an engine takes, as functions of the work: prefill time grows
-//! with the uncached prompt tokens, and each decode step grows with the
-//! number of sequences decoding together (continuous batching shares the
-//! GPU's memory bandwidth among them). Prefills queue behind each other.
+//! with the uncached prompt tokens (prefills queue behind each other, and a
+//! prompt's blocks become cacheable chunk by chunk as they are computed);
+//! a decode step reads the weights once and every KV byte the running
+//! batch attends, so it grows with the batch's context, not only its size.
 //!
-//! Defaults stand for one H100 (80 GB) serving a ~30B dense model in BF16
-//! with vLLM: about 20,000 prompt tokens per second of prefill and about
-//! 15 ms per decode step at small batch (≈ 65 tokens/s per sequence), each
-//! further running sequence adding ~2 % to the step. Sources: vLLM's and
-//! SGLang's published H100 benchmarks for 30B-class models (prefill 15-25k
-//! tokens/s, single-stream decode 50-80 tokens/s); the contention slope is
-//! the usual memory-bound fit (a step reads the weights once plus each
-//! sequence's KV).
+//! Defaults stand for one H100 SXM (80 GB, HBM3 at 3.35 TB/s) serving an
+//! 8B dense model in BF16 (Llama-3.1-8B's shape) with vLLM; the figures and
+//! their sources are in docs/simulator.md:
+//! - weights: 8.03 B parameters × 2 bytes ≈ 16.06 GB read per step;
+//! - KV per token: 32 layers × 8 KV heads × 128 head dim × 2 (K and V) × 2
+//!   bytes = 131,072 bytes;
+//! - prefill: 20,000 tokens/s, about a third of the H100's dense BF16
+//!   989 TFLOPS at 2 × 8.03 GFLOP per token (attention over long agent
+//!   contexts and kernel efficiency take the rest).
+//!
+//! A step with one 1,000-token sequence takes (16.06 GB + 0.13 GB) / 3.35
+//! TB/s ≈ 4.8 ms; eight sequences of 17k tokens attend 17.8 GB more and take
+//! ≈ 10.1 ms.
 
 use std::time::Duration;
+
+/// Prompt tokens computed per prefill chunk: a prompt's blocks enter the
+/// cache a chunk at a time, as the engine computes them (the order of
+/// vLLM's chunked-prefill token budget, `max_num_batched_tokens`).
+pub const PREFILL_CHUNK_TOKENS: u64 = 2048;
 
 /// The engine's speed. All durations are multiplied by `time_scale`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TimingModel {
     pub prefill_tokens_per_ms: f64,
-    /// A decode step with one running sequence.
-    pub decode_step_ms: f64,
-    /// Extra step time per additional running sequence, as a fraction.
-    pub contention_per_sequence: f64,
+    /// Bytes of weights every decode step reads.
+    pub weight_bytes: f64,
+    /// KV bytes per token of context (layers × KV heads × head dim × K and
+    /// V × bytes per value).
+    pub kv_bytes_per_token: f64,
+    /// Memory bandwidth, in bytes per ms.
+    pub memory_bytes_per_ms: f64,
     /// Fixed time before the first token (scheduling, first step).
     pub first_token_overhead_ms: f64,
     pub time_scale: f64,
 }
 
+/// Llama-3.1-8B on one H100 SXM: see the module's note.
+pub const H100_8B_WEIGHT_BYTES: f64 = 8.03e9 * 2.0;
+pub const H100_8B_KV_BYTES_PER_TOKEN: f64 = 32.0 * 8.0 * 128.0 * 2.0 * 2.0;
+/// 3.35 TB/s, in bytes per ms.
+pub const H100_MEMORY_BYTES_PER_MS: f64 = 3.35e12 / 1e3;
+
 impl Default for TimingModel {
     fn default() -> Self {
         Self {
             prefill_tokens_per_ms: 20.0,
-            decode_step_ms: 15.0,
-            contention_per_sequence: 0.02,
+            weight_bytes: H100_8B_WEIGHT_BYTES,
+            kv_bytes_per_token: H100_8B_KV_BYTES_PER_TOKEN,
+            memory_bytes_per_ms: H100_MEMORY_BYTES_PER_MS,
             first_token_overhead_ms: 5.0,
             time_scale: 1.0,
         }
@@ -46,13 +67,25 @@ impl TimingModel {
 
     /// Prefill of `uncached_tokens` (cached ones cost nothing to recompute).
     pub fn prefill(&self, uncached_tokens: u64) -> Duration {
-        self.scaled(self.first_token_overhead_ms + uncached_tokens as f64 / self.prefill_tokens_per_ms.max(1e-9))
+        self.scaled(self.first_token_overhead_ms + self.compute_ms(uncached_tokens))
     }
 
-    /// One decode step while `running` sequences decode together.
-    pub fn decode_step(&self, running: u64) -> Duration {
-        let others = running.saturating_sub(1) as f64;
-        self.scaled(self.decode_step_ms * (1.0 + self.contention_per_sequence * others))
+    /// Computing `tokens` prompt tokens, without the fixed overhead, in
+    /// unscaled ms: when each chunk of a prefill is done.
+    pub fn compute_ms(&self, tokens: u64) -> f64 {
+        tokens as f64 / self.prefill_tokens_per_ms.max(1e-9)
+    }
+
+    /// One decode step while the running batch attends `attended_kv_tokens`
+    /// tokens of KV in all (every sequence's context so far).
+    pub fn decode_step(&self, attended_kv_tokens: u64) -> Duration {
+        self.scaled(self.decode_step_ms(attended_kv_tokens))
+    }
+
+    /// `decode_step`, in unscaled ms.
+    pub fn decode_step_ms(&self, attended_kv_tokens: u64) -> f64 {
+        let bytes = self.weight_bytes + attended_kv_tokens as f64 * self.kv_bytes_per_token;
+        bytes / self.memory_bytes_per_ms.max(1e-9)
     }
 }
 
@@ -69,13 +102,20 @@ mod tests {
     }
 
     #[test]
-    fn decode_steps_slow_down_with_contention_and_scale() {
+    fn decode_steps_read_the_weights_and_every_attended_kv_byte() {
         let t = TimingModel::default();
-        assert_eq!(t.decode_step(1), Duration::from_millis(15));
-        assert_eq!(t.decode_step(51), Duration::from_millis(30));
+        // The weights alone: 16.06 GB at 3.35 TB/s.
+        let empty = t.decode_step_ms(0);
+        assert!((empty - 4.794).abs() < 0.01, "{empty}");
+        // 128 KiB per token: 100k attended tokens add 13.1 GB, 3.9 ms.
+        let loaded = t.decode_step_ms(100_000);
+        assert!((loaded - empty - 3.913).abs() < 0.01, "{loaded}");
+        // Twice the context, twice the KV time.
+        assert!((t.decode_step_ms(200_000) - empty - 2.0 * (loaded - empty)).abs() < 1e-9);
         let fast = TimingModel { time_scale: 0.1, ..t };
-        assert_eq!(fast.decode_step(1), Duration::from_micros(1500));
+        assert!(fast.decode_step(0) < t.decode_step(0) / 9);
         let instant = TimingModel { time_scale: 0.0, ..t };
         assert_eq!(instant.prefill(1_000_000), Duration::ZERO);
+        assert_eq!(instant.decode_step(1_000_000), Duration::ZERO);
     }
 }

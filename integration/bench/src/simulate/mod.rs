@@ -3,9 +3,12 @@
 //! the sidecar, each request hashed by the filter's own code; the engines are
 //! the `kvmesh-sim` engine model.
 
+mod oracle;
 mod plot;
 mod policies;
 mod radix;
+mod schedule;
+mod summary;
 pub(crate) mod trace;
 mod world;
 
@@ -16,10 +19,11 @@ use std::path::PathBuf;
 use anyhow::bail;
 use kvmesh_core::{Call, Cost, Decision, Holdings, InsightConfig, Insights, Totals, WorkerId};
 use kvmesh_request::FilterConfig;
-use kvmesh_sim::engine::{Engine, EngineConfig};
+use kvmesh_sim::engine::{BYTES_PER_TOKEN, Engine, EngineConfig};
 use kvmesh_sim::timing::TimingModel;
 use serde_json::json;
 
+use self::schedule::Schedule;
 use self::world::{Prepared, Served, World};
 
 #[derive(Debug, clap::Args)]
@@ -34,11 +38,34 @@ pub(crate) struct Options {
     /// `all`, or a comma-separated list of policy names.
     #[arg(long, default_value = "all")]
     policies: String,
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
+    /// One seed: the same as `--seeds N`.
+    #[arg(long, conflicts_with = "seeds")]
+    seed: Option<u64>,
+    /// Seeds to run every policy on (`1-5`, `1,4,7`, `3`; default 1); the
+    /// figures are their mean and range. A seed sets the policies'
+    /// randomness and shifts each root session's start by up to the mean
+    /// gap between root session starts; `{seed}` in `--trace` loads one
+    /// workload per seed (e.g. `gen-agents --seed S` files).
+    #[arg(long)]
+    seeds: Option<String>,
+    /// A session's next call is sent when its previous call completes plus
+    /// the recorded gap (the default for text traces with sessions).
+    #[arg(long, conflicts_with = "open_loop")]
+    closed_loop: bool,
+    /// Every call is sent at its recorded time, whatever the engines do
+    /// (the default for traces without sessions, as Mooncake's).
+    #[arg(long)]
+    open_loop: bool,
     /// Write the results as JSON here (and a plot beside it, as .svg).
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// The simulated cluster's shape.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fleet {
+    pub(crate) workers: usize,
+    pub(crate) capacity_tokens: u64,
 }
 
 /// A finished request to feed back to its policy, ordered by end time.
@@ -81,11 +108,6 @@ impl Ord for Completion {
     }
 }
 
-/// Engine bytes per token (the sim's) and kvmesh bytes per block: the
-/// engine's truth in kvmesh's units, for the insight ledger.
-const ENGINE_BYTES_PER_TOKEN: f64 = 4.0;
-const BLOCK_BYTES: f64 = 256.0;
-
 /// The simulated fleet as the insight ledger reads it: the engines' true
 /// caches, not any policy's belief, so every policy is judged alike.
 struct SimFleet<'a> {
@@ -117,10 +139,6 @@ impl SimFleet<'_> {
     }
 }
 
-fn blocks_of_tokens(tokens: u64) -> usize {
-    (tokens as f64 * ENGINE_BYTES_PER_TOKEN / BLOCK_BYTES) as usize
-}
-
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -128,43 +146,124 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-fn run_policy(
+/// A call released at a time (ordered earliest first in a max-heap).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Due {
+    at: f64,
+    index: usize,
+}
+impl Eq for Due {}
+impl PartialOrd for Due {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Due {
+    fn cmp(&self, other: &Self) -> Ordering {
+        other.at.total_cmp(&self.at).then(other.index.cmp(&self.index))
+    }
+}
+
+/// One policy's run: its figures, its TTFTs (sorted), and each call's send
+/// time and fate by index.
+pub(crate) struct Run {
+    pub(crate) result: serde_json::Value,
+    pub(crate) ttft: Vec<f64>,
+    /// Read by the closed-loop tests.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) calls: Vec<Option<(f64, Served)>>,
+}
+
+/// Plays the workload against one policy on the virtual clock: calls are
+/// sent as the schedule releases them (a closed-loop call once the call it
+/// follows has completed), the world advances event by event, and
+/// completions reach the policy before anything later is picked.
+pub(crate) fn run_policy(
     name: &str,
     prepared: &[Prepared],
-    arrivals: &[f64],
-    options: &Options,
+    schedule: &Schedule,
+    fleet: Fleet,
+    seed: u64,
     timing: TimingModel,
-) -> anyhow::Result<(serde_json::Value, Vec<f64>)> {
+) -> anyhow::Result<Run> {
     let Some(mut policy) = policies::make(
         name,
-        options.workers,
-        options.capacity_tokens,
-        options.seed,
+        fleet.workers,
+        fleet.capacity_tokens,
+        seed,
         timing.prefill_tokens_per_ms,
     ) else {
         bail!("unknown policy {name:?}; known: {}", policies::ALL.join(", "));
     };
-    let mut world = World::new(options.workers, options.capacity_tokens, timing);
+    let mut world = World::new(fleet.workers, fleet.capacity_tokens, timing);
     let mut insights = Insights::new(InsightConfig::default());
     let mut last_blocks: HashMap<u64, usize> = HashMap::new();
     let mut pending: BinaryHeap<Completion> = BinaryHeap::new();
-    let mut served: Vec<Served> = Vec::with_capacity(prepared.len());
+    let mut releases: BinaryHeap<Due> = schedule.fixed().map(|(index, at)| Due { at, index }).collect();
+    let mut calls: Vec<Option<(f64, Served)>> = vec![None; prepared.len()];
+    let mut sent: Vec<f64> = vec![f64::NAN; prepared.len()];
+    let mut picked = 0usize;
     let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    for (i, (r, &now)) in prepared.iter().zip(arrivals).enumerate() {
-        if progress && (i % 256 == 0 || i + 1 == prepared.len()) {
-            eprint!("\r{name:<20} {:>5.1}%", 100.0 * (i + 1) as f64 / prepared.len() as f64);
+    // A prefill started: its fate is known, the calls that follow it are due
+    // after its end.
+    let on_started = |started: Vec<world::Started>,
+                      calls: &mut Vec<Option<(f64, Served)>>,
+                      pending: &mut BinaryHeap<Completion>,
+                      releases: &mut BinaryHeap<Due>,
+                      sent: &[f64]| {
+        for world::Started { index, served } in started {
+            pending.push(Completion {
+                end: served.end_ms,
+                index,
+                worker: served.worker,
+                cached: served.cached_tokens,
+                ttft: served.ttft_ms,
+            });
+            for &(next, gap_ms) in schedule.followers.get(&index).map_or(&[][..], Vec::as_slice) {
+                releases.push(Due {
+                    at: served.end_ms + gap_ms,
+                    index: next,
+                });
+            }
+            if let Some(slot) = calls.get_mut(index) {
+                *slot = Some((sent.get(index).copied().unwrap_or(f64::NAN), served));
+            }
         }
-        while pending.peek().is_some_and(|c| c.end <= now) {
+    };
+    loop {
+        let done_at = pending.peek().map_or(f64::INFINITY, |c| c.end);
+        let world_at = world.next_event_ms().unwrap_or(f64::INFINITY);
+        let release_at = releases.peek().map_or(f64::INFINITY, |d| d.at);
+        if done_at.is_infinite() && world_at.is_infinite() && release_at.is_infinite() {
+            break;
+        }
+        if done_at <= world_at && done_at <= release_at {
             if let Some(c) = pending.pop() {
                 policy.completed(c.worker, &prepared[c.index], c.cached, c.ttft);
                 c.report_to(&mut insights, prepared);
             }
+            continue;
         }
-        let w = policy.pick(r, &world.view(now)).min(options.workers - 1);
-        let overlaps: Vec<usize> = (0..options.workers)
-            .map(|x| blocks_of_tokens(world.view(now).true_cached_tokens(x, &r.prompt)))
+        if world_at <= release_at {
+            let started = world.advance(world_at);
+            on_started(started, &mut calls, &mut pending, &mut releases, &sent);
+            continue;
+        }
+        let Some(Due { at: now, index }) = releases.pop() else {
+            break;
+        };
+        let Some(r) = prepared.get(index) else {
+            continue;
+        };
+        picked += 1;
+        if progress && (picked.is_multiple_of(256) || picked == prepared.len()) {
+            eprint!("\r{name:<20} {:>5.1}%", 100.0 * picked as f64 / prepared.len() as f64);
+        }
+        let w = policy.pick(r, &world.view(now)).min(fleet.workers - 1);
+        let overlaps: Vec<usize> = (0..fleet.workers)
+            .map(|x| world.view(now).true_cached_blocks(x, r))
             .collect();
-        let fleet = SimFleet {
+        let sim_fleet = SimFleet {
             world: &world,
             now,
             last_blocks: &last_blocks,
@@ -177,7 +276,7 @@ fn run_policy(
             tenant: "",
             sections: &r.sections,
         };
-        let holdings = fleet.holdings(insights.probe(&call).as_slice());
+        let holdings = sim_fleet.holdings(insights.probe(&call).as_slice());
         // The record of the pick as the engines' truth has it.
         let record = Decision {
             pick_id: r.index as u64,
@@ -185,9 +284,9 @@ fn run_policy(
             predicted_cached_blocks: u32::try_from(overlaps.get(w).copied().unwrap_or(0)).unwrap_or(u32::MAX),
             predicted_cached_tokens: world.view(now).true_cached_tokens(w, &r.prompt),
             best_overlap: u32::try_from(overlaps.iter().copied().max().unwrap_or(0)).unwrap_or(u32::MAX),
-            costs: vec![Some(Cost::default()); options.workers],
+            costs: vec![Some(Cost::default()); fleet.workers],
             overlaps,
-            bytes_per_token: ENGINE_BYTES_PER_TOKEN,
+            bytes_per_token: BYTES_PER_TOKEN as f64,
             prefill_tokens_per_ms: timing.prefill_tokens_per_ms,
             ..Decision::default()
         };
@@ -195,21 +294,30 @@ fn run_policy(
         if let Some(&last) = input.full_blocks().last() {
             last_blocks.insert(last, r.index);
         }
-        let s = world.serve(w, r, now);
-        pending.push(Completion {
-            end: s.end_ms,
-            index: r.index,
-            worker: w,
-            cached: s.cached_tokens,
-            ttft: s.ttft_ms,
-        });
-        served.push(s);
+        if let Some(slot) = sent.get_mut(index) {
+            *slot = now;
+        }
+        let started = world.admit(w, r, now);
+        on_started(started, &mut calls, &mut pending, &mut releases, &sent);
+    }
+    if progress {
+        eprint!("\r{:<30}\r", "");
+    }
+    let served: Vec<Served> = calls.iter().flatten().map(|(_, s)| *s).collect();
+    if served.len() != prepared.len() {
+        bail!(
+            "{name}: {} of {} calls were never served",
+            prepared.len() - served.len(),
+            prepared.len()
+        );
     }
     let prompt: u64 = served.iter().map(|s| s.prompt_tokens).sum();
     let cached: u64 = served.iter().map(|s| s.cached_tokens).sum();
     let mut ttft: Vec<f64> = served.iter().map(|s| s.ttft_ms).collect();
     ttft.sort_by(f64::total_cmp);
-    let makespan_s = served.iter().map(|s| s.end_ms).fold(0.0, f64::max) / 1e3;
+    let first_sent = sent.iter().copied().fold(f64::INFINITY, f64::min);
+    let end_ms = served.iter().map(|s| s.end_ms).fold(0.0, f64::max);
+    let makespan_s = (end_ms - first_sent.min(end_ms)) / 1e3;
     let output: u64 = prepared.iter().map(|r| u64::from(r.output_tokens)).sum();
     let per_worker: Vec<f64> = world.workers.iter().map(|w| w.prefill_tokens as f64).collect();
     let mean = per_worker.iter().sum::<f64>() / per_worker.len().max(1) as f64;
@@ -227,21 +335,14 @@ fn run_policy(
             same += usize::from(prev == s.worker);
         }
     }
-    if progress {
-        eprint!("\r{:<30}\r", "");
-    }
-    // The rest finish, then idle sessions are charged up to the end.
-    while let Some(c) = pending.pop() {
-        c.report_to(&mut insights, prepared);
-    }
-    let end_ms = served.iter().map(|s| s.end_ms).fold(0.0, f64::max);
-    let fleet = SimFleet {
+    // Idle sessions are charged up to the end.
+    let sim_fleet = SimFleet {
         world: &world,
         now: end_ms,
         last_blocks: &last_blocks,
         prepared,
     };
-    insights.tick(end_ms as u64, &fleet.holdings(&insights.idle_probes()));
+    insights.tick(end_ms as u64, &sim_fleet.holdings(&insights.idle_probes()));
     let mut all = Totals::default();
     for (_, t) in insights.totals() {
         all.add(t);
@@ -274,22 +375,32 @@ fn run_policy(
         // deployment, from the same ledger.
         "insights": {"figures": figures, "prefix_breaks": breaks, "moves": moves, "top_breakers": breakers},
     });
-    Ok((result, ttft))
+    Ok(Run { result, ttft, calls })
 }
 
-pub(crate) fn run(options: Options) -> anyhow::Result<()> {
-    if options.workers == 0 {
-        bail!("--workers must be at least 1");
+/// One seed's workload, prepared for every policy.
+struct Workload {
+    format: trace::Format,
+    prepared: Vec<Prepared>,
+    schedule: Schedule,
+    /// The infinite-cache hit rate: one engine that never evicts sees every
+    /// prompt.
+    bound: f64,
+}
+
+fn load_workload(options: &Options, seed: u64) -> anyhow::Result<Workload> {
+    let mut args = options.workload.clone();
+    let path = args.trace.display().to_string();
+    if path.contains("{seed}") {
+        args.trace = PathBuf::from(path.replace("{seed}", &seed.to_string()));
     }
-    let (format, requests) = options.workload.load()?;
+    let (format, requests) = args.load()?;
     let config = FilterConfig::default();
     let prepared: Vec<Prepared> = requests
         .iter()
         .enumerate()
         .map(|(i, r)| world::prepare(i, r, &config))
         .collect::<anyhow::Result<_>>()?;
-    let arrivals: Vec<f64> = requests.iter().map(|r| r.at_ms).collect();
-    // The bound: one engine with an infinite cache sees every prompt.
     let mut infinite = Engine::new(EngineConfig {
         capacity_tokens: u64::MAX / 2,
     });
@@ -299,44 +410,117 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         p += s.prompt_tokens;
         c += s.cached_tokens;
     }
-    let bound = c as f64 / p.max(1) as f64;
+    let has_sessions = requests.iter().any(|r| !r.session.is_empty());
+    let closed_loop = if options.open_loop {
+        false
+    } else {
+        options.closed_loop || (format == trace::Format::Text && has_sessions)
+    };
+    Ok(Workload {
+        format,
+        prepared,
+        schedule: Schedule::new(&requests, closed_loop, seed),
+        bound: c as f64 / p.max(1) as f64,
+    })
+}
+
+pub(crate) fn run(options: Options) -> anyhow::Result<()> {
+    if options.workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    let seeds = match (&options.seeds, options.seed) {
+        (Some(list), _) => summary::parse_seeds(list)?,
+        (None, Some(seed)) => vec![seed],
+        (None, None) => vec![1],
+    };
     let names: Vec<String> = if options.policies == "all" {
         policies::ALL.iter().map(|s| (*s).to_owned()).collect()
     } else {
         options.policies.split(',').map(|s| s.trim().to_owned()).collect()
     };
+    let fleet = Fleet {
+        workers: options.workers,
+        capacity_tokens: options.capacity_tokens,
+    };
     let timing = TimingModel::default();
+    // Per policy, each seed's figures; all seeds' TTFTs for the plot.
+    let mut per_seed: HashMap<&str, Vec<serde_json::Value>> = HashMap::new();
+    let mut ttfts: HashMap<&str, Vec<f64>> = HashMap::new();
+    let (mut bounds, mut requests) = (Vec::new(), Vec::new());
+    for &seed in &seeds {
+        let w = load_workload(&options, seed)?;
+        println!(
+            "seed {seed}: {} requests ({:?}, {}), roots jittered by up to {:.0} ms; infinite-cache hit rate {:.3}",
+            w.prepared.len(),
+            w.format,
+            if w.schedule.followers.is_empty() {
+                "open loop"
+            } else {
+                "closed loop"
+            },
+            w.schedule.jitter_span_ms,
+            w.bound
+        );
+        bounds.push(json!(w.bound));
+        requests.push(w.prepared.len());
+        for name in &names {
+            let run = run_policy(name, &w.prepared, &w.schedule, fleet, seed, timing)?;
+            per_seed.entry(name).or_default().push(run.result);
+            ttfts.entry(name).or_default().extend(run.ttft);
+        }
+    }
+    let bound = summary::mean(&bounds).as_f64().unwrap_or(0.0);
     let mut results = serde_json::Map::new();
-    let mut curves = Vec::new();
+    for name in &names {
+        let runs = per_seed.get(name.as_str()).map_or(&[][..], Vec::as_slice);
+        let mut r = summary::mean(runs);
+        if let Some(obj) = r.as_object_mut() {
+            obj.insert("range".to_owned(), summary::range(runs));
+        }
+        results.insert(name.clone(), r);
+    }
+    let seed_list = seeds.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
     println!(
-        "{} requests ({format:?}), {} workers × {} tokens, speed {}, seed {}; infinite-cache hit rate {:.3}",
-        prepared.len(),
+        "{} requests, {} workers × {} tokens, speed {}, seeds {seed_list}; infinite-cache hit rate {:.3}",
+        requests.first().copied().unwrap_or(0),
         options.workers,
         options.capacity_tokens,
         options.workload.speed,
-        options.seed,
         bound
     );
+    let several = seeds.len() > 1;
+    if several {
+        println!("(means over the seeds; [min-max] where it fits)");
+    }
     println!(
         "| policy | hit rate | prefill tokens | TTFT p50 | TTFT p99 | throughput tok/s | imbalance | session affinity |"
     );
     println!("|---|---|---|---|---|---|---|---|");
+    let mut curves = Vec::new();
     for name in &names {
-        let (r, ttft) = run_policy(name, &prepared, &arrivals, &options, timing)?;
-        curves.push((name.clone(), ttft, r["hit_rate"].as_f64().unwrap_or(0.0)));
-        println!(
-            "| {name} | {:.3} | {} | {:.0} ms | {:.0} ms | {:.0} | {:.2} | {} |",
+        let Some(r) = results.get(name) else { continue };
+        let fig = |key: &str, digits: usize, unit: &str| summary::cell(r, key, digits, unit, several);
+        curves.push((
+            name.clone(),
+            {
+                let mut t = ttfts.remove(name.as_str()).unwrap_or_default();
+                t.sort_by(f64::total_cmp);
+                t
+            },
             r["hit_rate"].as_f64().unwrap_or(0.0),
-            r["prefill_tokens"],
-            r["ttft_p50_ms"].as_f64().unwrap_or(0.0),
-            r["ttft_p99_ms"].as_f64().unwrap_or(0.0),
+        ));
+        println!(
+            "| {name} | {} | {:.0} | {} | {} | {:.0} | {} | {} |",
+            fig("hit_rate", 3, ""),
+            r["prefill_tokens"].as_f64().unwrap_or(0.0),
+            fig("ttft_p50_ms", 0, " ms"),
+            fig("ttft_p99_ms", 0, " ms"),
             r["throughput_tok_s"].as_f64().unwrap_or(0.0),
-            r["imbalance"].as_f64().unwrap_or(0.0),
+            fig("imbalance", 2, ""),
             r["session_affinity"]
                 .as_f64()
                 .map_or("-".to_owned(), |a| format!("{a:.2}")),
         );
-        results.insert(name.clone(), r);
     }
     // The same figures the sidecar's report gives a live deployment.
     println!(
@@ -348,11 +532,11 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         let f = &r["insights"]["figures"];
         let num = |key: &str| f[key].as_f64().unwrap_or(0.0);
         let prompt = num("prompt_tokens").max(1.0);
-        let breaks: u64 = r["insights"]["prefix_breaks"]
+        let breaks: f64 = r["insights"]["prefix_breaks"]
             .as_object()
-            .map_or(0, |b| b.values().filter_map(serde_json::Value::as_u64).sum());
+            .map_or(0.0, |b| b.values().filter_map(serde_json::Value::as_f64).sum());
         println!(
-            "| {name} | {:.3} | {:.3} | {:.3} | {:.2} | {:.1} | {breaks} | {:.0} | {:.0} |",
+            "| {name} | {:.3} | {:.3} | {:.3} | {:.2} | {:.1} | {breaks:.0} | {:.0} | {:.0} |",
             num("repeated_prefix_share"),
             num("reachable_cached_tokens") / prompt,
             num("cache_read_tokens") / num("reported_prompt_tokens").max(1.0),
@@ -365,16 +549,18 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     if let Some(path) = &options.json {
         let out = json!({
             "trace": options.workload.trace.display().to_string(),
-            "requests": prepared.len(),
+            "requests": requests.first().copied().unwrap_or(0),
+            "requests_per_seed": requests,
             "workers": options.workers,
-            "bound": {"infinite_cache_hit_rate": bound},
+            "seeds": seeds,
+            "bound": {"infinite_cache_hit_rate": bound, "range": summary::range(&bounds)},
             "policies": results,
         });
         std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
         let title = format!(
-            "{} · {} requests · {} workers × {} tokens · speed {}",
+            "{} · {} requests · {} workers × {} tokens · speed {} · seeds {seed_list}",
             options.workload.trace.display(),
-            prepared.len(),
+            requests.first().copied().unwrap_or(0),
             options.workers,
             options.capacity_tokens,
             options.workload.speed
@@ -382,4 +568,116 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         std::fs::write(path.with_extension("svg"), plot::svg(&title, &curves, bound))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::schedule::Release;
+    use super::trace::Request;
+    use super::*;
+
+    /// Three agent sessions and a subagent, each call a long prompt whose
+    /// prefill (~400 ms) outlasts the recorded gap between calls (100 ms).
+    fn agents() -> Vec<Request> {
+        let mut requests = Vec::new();
+        for s in 0..3 {
+            let mut context = format!("session {s} ") + &"read the file and run the tests ".repeat(1000);
+            for turn in 0..5 {
+                context.push_str(&format!(" turn {turn} result ").repeat(50));
+                requests.push(Request {
+                    at_ms: s as f64 * 10.0 + turn as f64 * 100.0,
+                    session: format!("s{s}"),
+                    parent: String::new(),
+                    text: context.clone(),
+                    output_tokens: 20,
+                });
+            }
+        }
+        for turn in 0..3 {
+            requests.push(Request {
+                at_ms: 250.0 + turn as f64 * 100.0,
+                session: "s0-sub".to_owned(),
+                parent: "s0".to_owned(),
+                text: "subagent ".repeat(4000 + turn * 100),
+                output_tokens: 20,
+            });
+        }
+        requests.sort_by(|a, b| a.at_ms.total_cmp(&b.at_ms));
+        requests
+    }
+
+    fn play(requests: &[Request], closed_loop: bool, policy: &str) -> (Schedule, Run) {
+        let config = FilterConfig::default();
+        let prepared: Vec<Prepared> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| world::prepare(i, r, &config).unwrap())
+            .collect();
+        let schedule = Schedule::new(requests, closed_loop, 1);
+        let fleet = Fleet {
+            workers: 2,
+            capacity_tokens: 200_000,
+        };
+        let run = run_policy(policy, &prepared, &schedule, fleet, 1, TimingModel::default()).unwrap();
+        (schedule, run)
+    }
+
+    /// Each call's send time and end, by session, in order.
+    fn by_session(requests: &[Request], run: &Run) -> HashMap<String, Vec<(usize, f64, f64)>> {
+        let mut sessions: HashMap<String, Vec<(usize, f64, f64)>> = HashMap::new();
+        for (i, r) in requests.iter().enumerate() {
+            let (sent, served) = run.calls[i].unwrap();
+            sessions
+                .entry(r.session.clone())
+                .or_default()
+                .push((i, sent, served.end_ms));
+        }
+        sessions
+    }
+
+    #[test]
+    fn a_closed_loop_session_has_one_call_in_flight_and_keeps_its_gaps() {
+        let requests = agents();
+        for policy in ["round_robin", "kvmesh"] {
+            let (schedule, run) = play(&requests, true, policy);
+            for (session, calls) in by_session(&requests, &run) {
+                for pair in calls.windows(2) {
+                    let ((a, _, a_end), (b, b_sent, _)) = (pair[0], pair[1]);
+                    assert!(
+                        b_sent >= a_end,
+                        "{policy}: {session} sent call {b} at {b_sent} before {a} ended at {a_end}"
+                    );
+                    let gap = requests[b].at_ms - requests[a].at_ms;
+                    assert!(
+                        (b_sent - a_end - gap).abs() < 1e-6,
+                        "{policy}: {session} call {b}: gap {gap} not kept"
+                    );
+                }
+            }
+            // The subagent's first call follows its parent's latest call
+            // before it by the recorded gap.
+            let first_child = requests.iter().position(|r| r.session == "s0-sub").unwrap();
+            let Release::After { anchor, gap_ms } = schedule.releases[first_child] else {
+                panic!("the subagent's first call is not chained to its parent");
+            };
+            assert_eq!(requests[anchor].session, "s0");
+            let (sent, _) = run.calls[first_child].unwrap();
+            let (_, parent_call) = run.calls[anchor].unwrap();
+            assert!((sent - parent_call.end_ms - gap_ms).abs() < 1e-6);
+        }
+    }
+
+    /// The same check fails open loop: calls are sent at their recorded
+    /// times, before the previous call of their session has finished.
+    #[test]
+    fn an_open_loop_session_overlaps_its_calls_on_this_workload() {
+        let requests = agents();
+        let (_, run) = play(&requests, false, "round_robin");
+        let overlapping = by_session(&requests, &run)
+            .values()
+            .flat_map(|calls| calls.windows(2).map(|p| p[1].1 < p[0].2).collect::<Vec<_>>())
+            .filter(|&overlap| overlap)
+            .count();
+        assert!(overlapping > 0);
+    }
 }

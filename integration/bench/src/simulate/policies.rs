@@ -27,8 +27,9 @@ pub(crate) trait Policy {
     fn completed(&mut self, _worker: usize, _request: &Prepared, _cached_tokens: u64, _ttft_ms: f64) {}
 }
 
-pub(crate) const ALL: [&str; 10] = [
+pub(crate) const ALL: [&str; 11] = [
     "kvmesh",
+    "kvmesh_oracle",
     "dynamo",
     "dynamo_agents",
     "llm_d_precise",
@@ -54,6 +55,7 @@ pub(crate) fn make(
     }
     Some(match name {
         "kvmesh" => Box::new(Kvmesh::new(workers, capacity_tokens, prefill_rate)),
+        "kvmesh_oracle" => Box::new(super::oracle::KvmeshOracle::new(workers, capacity_tokens, prefill_rate)),
         "round_robin" => Box::new(RoundRobin(0)),
         "random" => Box::new(Random(seed | 1)),
         "least_loaded" => Box::new(LeastLoaded),

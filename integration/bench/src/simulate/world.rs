@@ -1,11 +1,15 @@
 //! The simulated GPU cluster on a virtual clock: one engine model per
 //! worker (the `kvmesh-sim` engine: prefix cache, LRU, counters) with its
-//! timing model (a FIFO prefill queue, decode steps slowed by the batch).
+//! timing model (a FIFO prefill queue whose prompts are looked up when
+//! their prefill starts and cached chunk by chunk as it computes them;
+//! decode steps that read the weights and the batch's KV).
+
+use std::collections::VecDeque;
 
 use kvmesh_request::{Api, FilterConfig, understand};
 use kvmesh_sim::api::{Api as SimApi, Call};
-use kvmesh_sim::engine::{Engine, EngineConfig};
-use kvmesh_sim::timing::TimingModel;
+use kvmesh_sim::engine::{BYTES_PER_TOKEN, Engine, EngineConfig, Prefill};
+use kvmesh_sim::timing::{PREFILL_CHUNK_TOKENS, TimingModel};
 use serde_json::json;
 
 use super::trace::Request;
@@ -73,7 +77,7 @@ pub(crate) fn prepare(index: usize, r: &Request, config: &FilterConfig) -> anyho
         stream_bytes: understood.hashes.stream_bytes,
         block_bytes: u32::try_from(config.block_bytes).unwrap_or(u32::MAX),
         sections: understood.sections.iter().map(section).collect(),
-        prompt_tokens: (call.prompt.len() as u64).div_ceil(4),
+        prompt_tokens: (call.prompt.len() as u64).div_ceil(BYTES_PER_TOKEN),
         prompt: call.prompt,
         output_tokens: r.output_tokens,
     })
@@ -88,13 +92,50 @@ fn section(s: &kvmesh_request::Section) -> kvmesh_core::PromptSection {
     }
 }
 
+/// A request waiting for its worker's prefill lane.
+#[derive(Debug)]
+struct Waiting {
+    index: usize,
+    arrival: f64,
+    prompt: Vec<u8>,
+    output_tokens: u32,
+}
+
+/// The prefill running on a worker: its chunks are cached as they finish.
+#[derive(Debug)]
+struct Prefilling {
+    prefill: Prefill,
+    /// When the lane took it.
+    start: f64,
+    computed_tokens: u64,
+}
+
+/// A request on a worker, from its arrival to its last token. Times not yet
+/// known (its prefill has not started) are infinite.
+#[derive(Debug, Clone, Copy)]
+struct Admitted {
+    index: usize,
+    first_token: f64,
+    end: f64,
+    /// Uncached prompt tokens: the cache's answer at arrival until the
+    /// prefill starts and looks it up for real.
+    uncached: f64,
+    /// KV a decode step reads for it, on average over its decode: its
+    /// prompt and half its output.
+    mean_attended_tokens: f64,
+}
+
 #[derive(Debug)]
 pub(crate) struct WorkerSim {
     pub(crate) engine: Engine,
-    /// When the prefill queue frees up.
+    /// Arrived requests waiting for the prefill lane, in arrival order.
+    queue: VecDeque<Waiting>,
+    prefilling: Option<Prefilling>,
+    /// When the prefill lane frees up.
     prefill_free_at: f64,
-    /// (first token, end, uncached tokens, prompt tokens) of admitted requests.
-    admitted: Vec<(f64, f64, f64, f64)>,
+    /// Requests admitted and not finished (some may have finished by the
+    /// time a view looks: views filter by their time).
+    admitted: Vec<Admitted>,
     pub(crate) prefill_tokens: u64,
 }
 
@@ -112,20 +153,24 @@ impl View<'_> {
 
     /// Requests admitted and not finished.
     pub(crate) fn in_flight(&self, w: usize) -> usize {
-        self.workers[w].admitted.iter().filter(|a| a.1 > self.now).count()
+        self.workers[w].admitted.iter().filter(|a| a.end > self.now).count()
     }
 
     /// Requests still waiting for (or in) their prefill.
     pub(crate) fn waiting(&self, w: usize) -> usize {
-        self.workers[w].admitted.iter().filter(|a| a.0 > self.now).count()
+        self.workers[w]
+            .admitted
+            .iter()
+            .filter(|a| a.first_token > self.now)
+            .count()
     }
 
     pub(crate) fn queued_prefill_tokens(&self, w: usize) -> f64 {
         self.workers[w]
             .admitted
             .iter()
-            .filter(|a| a.0 > self.now)
-            .map(|a| a.2)
+            .filter(|a| a.first_token > self.now)
+            .map(|a| a.uncached)
             .sum()
     }
 
@@ -137,10 +182,19 @@ impl View<'_> {
         used as f64 / capacity.max(1) as f64
     }
 
-    /// The engine's true cache (only the peers fed its KV events may look:
-    /// `dynamo*`, `llm_d_precise`).
+    /// The engine's true cache (only the peers fed its KV events may look,
+    /// `dynamo*` and `llm_d_precise`, and `kvmesh_oracle`, which stands for
+    /// kvmesh with exact knowledge of each engine's cache).
     pub(crate) fn true_cached_tokens(&self, w: usize, prompt: &[u8]) -> u64 {
         self.workers[w].engine.peek_cached_tokens(prompt)
+    }
+
+    /// The engine's true cache for `r`, in kvmesh's blocks of `r`'s stream
+    /// (the engine counts `BYTES_PER_TOKEN` bytes per token): the overlap
+    /// kvmesh's index estimates, as the engine knows it.
+    pub(crate) fn true_cached_blocks(&self, w: usize, r: &Prepared) -> usize {
+        let bytes = self.true_cached_tokens(w, &r.prompt) * BYTES_PER_TOKEN;
+        usize::try_from(bytes / u64::from(r.block_bytes.max(1))).unwrap_or(usize::MAX)
     }
 }
 
@@ -166,11 +220,24 @@ pub(crate) struct Served {
     pub(crate) end_ms: f64,
 }
 
-/// The cluster of simulated workers.
+/// A request whose prefill has started: its fate is known from here.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Started {
+    pub(crate) index: usize,
+    pub(crate) served: Served,
+}
+
+/// The cluster of simulated workers on a virtual clock, driven in time
+/// order: `admit` a request at its arrival, `advance` to the next event
+/// (`next_event_ms`: a prefill starting or a prefill chunk done).
 #[derive(Debug)]
 pub(crate) struct World {
     pub(crate) workers: Vec<WorkerSim>,
     timing: TimingModel,
+}
+
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
 impl World {
@@ -179,6 +246,8 @@ impl World {
             workers: (0..workers)
                 .map(|_| WorkerSim {
                     engine: Engine::new(EngineConfig { capacity_tokens }),
+                    queue: VecDeque::new(),
+                    prefilling: None,
                     prefill_free_at: 0.0,
                     admitted: Vec::new(),
                     prefill_tokens: 0,
@@ -195,31 +264,157 @@ impl World {
         }
     }
 
-    /// Runs `r` on worker `w` arriving at `now`: the cache is looked up and
-    /// filled on admission, the prefill waits for the queue, decode steps
-    /// last as long as the batch at its first token makes them.
-    pub(crate) fn serve(&mut self, w: usize, r: &Prepared, now: f64) -> Served {
-        let timing = self.timing;
+    /// `r` arrives on worker `w` at `now` (the world advanced to `now`): it
+    /// joins the prefill queue, and starts at once if the lane is free.
+    pub(crate) fn admit(&mut self, w: usize, r: &Prepared, now: f64) -> Vec<Started> {
         let worker = &mut self.workers[w];
-        worker.admitted.retain(|a| a.1 > now);
-        let served = worker.engine.admit(&r.prompt);
-        worker.engine.finish();
+        worker.admitted.retain(|a| a.end > now);
+        let cached = worker.engine.peek_cached_tokens(&r.prompt).min(r.prompt_tokens);
+        worker.admitted.push(Admitted {
+            index: r.index,
+            first_token: f64::INFINITY,
+            end: f64::INFINITY,
+            uncached: (r.prompt_tokens - cached) as f64,
+            mean_attended_tokens: r.prompt_tokens as f64 + f64::from(r.output_tokens) / 2.0,
+        });
+        worker.queue.push_back(Waiting {
+            index: r.index,
+            arrival: now,
+            prompt: r.prompt.clone(),
+            output_tokens: r.output_tokens,
+        });
+        let mut started = Vec::new();
+        self.advance_worker(w, now, &mut started);
+        started
+    }
+
+    /// The earliest time something happens on some worker.
+    pub(crate) fn next_event_ms(&self) -> Option<f64> {
+        self.workers
+            .iter()
+            .filter_map(|w| self.next_event_of(w))
+            .min_by(f64::total_cmp)
+    }
+
+    fn next_event_of(&self, w: &WorkerSim) -> Option<f64> {
+        if let Some(p) = &w.prefilling {
+            return Some(self.chunk_done_at(p));
+        }
+        w.queue.front().map(|q| q.arrival.max(w.prefill_free_at))
+    }
+
+    /// When the running prefill's next chunk is computed.
+    fn chunk_done_at(&self, p: &Prefilling) -> f64 {
+        let uncached = p.prefill.served.uncached_tokens();
+        let next = (p.computed_tokens + PREFILL_CHUNK_TOKENS).min(uncached);
+        p.start + ms(self.timing.prefill(next))
+    }
+
+    /// Everything due by `t` happens, on every worker: the prefills that
+    /// start (returned, with their fate) and the chunks that are cached.
+    pub(crate) fn advance(&mut self, t: f64) -> Vec<Started> {
+        let mut started = Vec::new();
+        for w in 0..self.workers.len() {
+            self.advance_worker(w, t, &mut started);
+        }
+        started
+    }
+
+    fn advance_worker(&mut self, w: usize, t: f64, started: &mut Vec<Started>) {
+        let timing = self.timing;
+        loop {
+            let Some(next) = self.next_event_of(&self.workers[w]) else {
+                return;
+            };
+            if next > t {
+                return;
+            }
+            let worker = &mut self.workers[w];
+            if let Some(p) = worker.prefilling.as_mut() {
+                let uncached = p.prefill.served.uncached_tokens();
+                p.computed_tokens = (p.computed_tokens + PREFILL_CHUNK_TOKENS).min(uncached);
+                let computed = if p.computed_tokens >= uncached {
+                    u64::MAX
+                } else {
+                    p.computed_tokens
+                };
+                worker.engine.cache_computed(&mut p.prefill, computed);
+                if p.prefill.done() || computed == u64::MAX {
+                    worker.prefilling = None;
+                }
+                continue;
+            }
+            let Some(waiting) = worker.queue.pop_front() else {
+                return;
+            };
+            started.push(Self::start_prefill(&timing, w, worker, waiting, next));
+        }
+    }
+
+    /// The lane takes `waiting` at `start`: the cache is looked up now, the
+    /// first token comes after the uncached tokens are computed, and each
+    /// decode step reads the weights and the KV of the batch decoding then.
+    fn start_prefill(timing: &TimingModel, w: usize, worker: &mut WorkerSim, waiting: Waiting, start: f64) -> Started {
+        let prefill = worker.engine.begin_prefill(&waiting.prompt);
+        // The world keeps its own account of running requests (`admitted`);
+        // the engine's counter is for the server's metrics.
+        worker.engine.finish(0);
+        let served = prefill.served;
         let uncached = served.uncached_tokens();
-        let start = now.max(worker.prefill_free_at);
-        let first_token = start + timing.prefill(uncached).as_secs_f64() * 1e3;
+        let first_token = start + ms(timing.prefill(uncached));
         worker.prefill_free_at = first_token;
-        let running = worker.admitted.iter().filter(|a| a.1 > first_token).count() as u64 + 1;
-        let end = first_token + f64::from(r.output_tokens) * timing.decode_step(running).as_secs_f64() * 1e3;
-        worker
+        let batch: f64 = worker
             .admitted
-            .push((first_token, end, uncached as f64, served.prompt_tokens as f64));
+            .iter()
+            .filter(|a| a.first_token <= first_token && a.end > first_token)
+            .map(|a| a.mean_attended_tokens)
+            .sum();
+        let own = served.prompt_tokens as f64 + f64::from(waiting.output_tokens) / 2.0;
+        let step = ms(timing.decode_step((batch + own).round() as u64));
+        let end = first_token + f64::from(waiting.output_tokens) * step;
+        if let Some(a) = worker.admitted.iter_mut().rev().find(|a| a.index == waiting.index) {
+            a.first_token = first_token;
+            a.end = end;
+            a.uncached = uncached as f64;
+        }
         worker.prefill_tokens += uncached;
-        Served {
-            worker: w,
-            prompt_tokens: served.prompt_tokens,
-            cached_tokens: served.cached_tokens,
-            ttft_ms: first_token - now,
-            end_ms: end,
+        if uncached > 0 {
+            worker.prefilling = Some(Prefilling {
+                prefill,
+                start,
+                computed_tokens: 0,
+            });
+        }
+        Started {
+            index: waiting.index,
+            served: Served {
+                worker: w,
+                prompt_tokens: served.prompt_tokens,
+                cached_tokens: served.cached_tokens,
+                ttft_ms: first_token - waiting.arrival,
+                end_ms: end,
+            },
+        }
+    }
+
+    /// Runs `r` on worker `w` arriving at `now`, and the worker on until
+    /// `r`'s first token (its blocks are then cached): a request's fate in
+    /// one call, for tests that set a scene.
+    #[cfg(test)]
+    pub(crate) fn serve(&mut self, w: usize, r: &Prepared, now: f64) -> Served {
+        let mut started = self.admit(w, r, now);
+        loop {
+            if let Some(s) = started.iter().find(|s| s.index == r.index) {
+                let served = s.served;
+                let first_token = now + served.ttft_ms;
+                let mut rest = Vec::new();
+                self.advance_worker(w, first_token, &mut rest);
+                return served;
+            }
+            let Some(next) = self.next_event_of(&self.workers[w]) else {
+                unreachable!("request {} was admitted and never started", r.index);
+            };
+            self.advance_worker(w, next, &mut started);
         }
     }
 }

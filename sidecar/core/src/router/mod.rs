@@ -194,6 +194,20 @@ impl Router {
     /// Chooses the workers for one request, records it as placed on the
     /// best, and returns the record of the decision.
     pub fn pick(&mut self, input: PickInput<'_>) -> Decision {
+        self.pick_from(input, None)
+    }
+
+    /// `pick` with each worker's overlap (leading full blocks it holds)
+    /// given instead of read from the prefix index: the engines' own
+    /// account of their caches (a precise mode fed by engine lookups, or a
+    /// simulator's oracle). Workers not listed hold none; an overlap past
+    /// the request's full blocks counts as all of them. Everything else,
+    /// the index's learning from the placement included, is `pick`'s.
+    pub fn pick_with_overlaps(&mut self, input: PickInput<'_>, overlaps: &[(WorkerId, usize)]) -> Decision {
+        self.pick_from(input, Some(overlaps))
+    }
+
+    fn pick_from(&mut self, input: PickInput<'_>, known_overlaps: Option<&[(WorkerId, usize)]>) -> Decision {
         let pick_id = self.next_pick_id;
         self.next_pick_id += 1;
         let key = input.routing_key();
@@ -223,7 +237,17 @@ impl Router {
         self.drain_queues(input.now_ms);
         self.release_stale_picks(input.now_ms);
         let mut overlaps = Vec::with_capacity(self.workers.len());
-        self.index.overlaps(full, &mut overlaps);
+        match known_overlaps {
+            None => self.index.overlaps(full, &mut overlaps),
+            Some(known) => {
+                overlaps.resize(self.workers.len(), 0);
+                for &(WorkerId(w), blocks) in known {
+                    if let Some(slot) = overlaps.get_mut(w) {
+                        *slot = blocks.min(full.len());
+                    }
+                }
+            }
+        }
         let mut costs = vec![None; self.workers.len()];
         let mut candidates: Vec<Candidate> = Vec::with_capacity(self.workers.len());
         for (i, w) in self.workers.iter().enumerate() {

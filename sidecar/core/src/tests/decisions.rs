@@ -403,3 +403,58 @@ fn a_decision_records_what_the_choice_saw_term_by_term() {
     assert_eq!(c.sessions, 0.0, "a continuing session weighs no sessions");
     assert_eq!(next.bytes_per_token, 4.0);
 }
+
+/// Two routers that lived the same history, one picking from its index and
+/// one from overlaps given as equal to the index's, decide alike: the
+/// oracle path differs from `pick` only in where the overlaps come from.
+#[test]
+fn given_overlaps_equal_to_the_index_decide_as_the_index_does() {
+    let history = |r: &mut Router| {
+        let mut now = 0;
+        for (family, n, session) in [(1, 40, "a"), (2, 30, "b"), (1, 48, "a"), (3, 20, "c"), (2, 36, "b")] {
+            now += 700;
+            let hashes = blocks(family, n);
+            let d = r.pick(PickInput {
+                now_ms: now,
+                ..input(&hashes, session)
+            });
+            if family != 2 {
+                done(r, &d);
+            }
+        }
+    };
+    let (mut from_index, mut given) = (router(4), router(4));
+    history(&mut from_index);
+    history(&mut given);
+    for (family, n, session) in [(1, 52, "a"), (2, 40, "b"), (3, 24, "new"), (9, 10, "d")] {
+        let hashes = blocks(family, n);
+        let at = PickInput {
+            now_ms: 10_000,
+            ..input(&hashes, session)
+        };
+        let expected = from_index.pick(at);
+        let overlaps: Vec<(WorkerId, usize)> = expected
+            .overlaps
+            .iter()
+            .enumerate()
+            .map(|(w, &blocks)| (WorkerId(w), blocks))
+            .collect();
+        assert!(expected.overlaps.iter().any(|&o| o > 0) || family == 9);
+        assert_eq!(given.pick_with_overlaps(at, &overlaps), expected);
+    }
+}
+
+/// Given overlaps decide: the index believes worker 0 holds the prefix, the
+/// engines say worker 2 does, and the pick follows the engines.
+#[test]
+fn given_overlaps_replace_the_index() {
+    let mut r = router(3);
+    let first = pick(&mut r, &blocks(1, 40), "a");
+    done(&mut r, &first);
+    let believed = first.ranked[0];
+    let truth = WorkerId((believed.0 + 2) % 3);
+    let next = r.pick_with_overlaps(input(&blocks(1, 44), "a"), &[(truth, 40), (WorkerId(7), 40)]);
+    assert_eq!(next.ranked[0], truth);
+    assert_eq!(next.overlaps[believed.0], 0);
+    assert_eq!((next.reason, next.predicted_cached_blocks), (Reason::PrefixMatch, 40));
+}

@@ -3,7 +3,6 @@
 //! the sidecar, each request hashed by the filter's own code; the engines are
 //! the `kvmesh-sim` engine model.
 
-mod oracle;
 mod plot;
 mod policies;
 mod radix;

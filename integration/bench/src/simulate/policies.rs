@@ -53,9 +53,13 @@ pub(crate) fn make(
         let scale: f64 = scale.parse().ok().filter(|s: &f64| s.is_finite() && *s >= 0.0)?;
         return Some(Box::new(Dynamo::agents(workers, scale, seed)));
     }
+    for (prefix, overlaps) in [("kvmesh_oracle", Overlaps::Oracle), ("kvmesh", Overlaps::Index)] {
+        if let Some(overrides) = name.strip_prefix(prefix).filter(|o| o.is_empty() || o.starts_with('@')) {
+            let config = kvmesh_config(overrides, prefill_rate)?;
+            return Some(Box::new(Kvmesh::new(workers, capacity_tokens, config, overlaps)));
+        }
+    }
     Some(match name {
-        "kvmesh" => Box::new(Kvmesh::new(workers, capacity_tokens, prefill_rate)),
-        "kvmesh_oracle" => Box::new(super::oracle::KvmeshOracle::new(workers, capacity_tokens, prefill_rate)),
         "round_robin" => Box::new(RoundRobin(0)),
         "random" => Box::new(Random(seed | 1)),
         "least_loaded" => Box::new(LeastLoaded),
@@ -139,15 +143,25 @@ fn argmax_random_ties(scores: &[f64], rng: &mut Rng) -> usize {
 pub(crate) struct Kvmesh {
     router: Router,
     picks: HashMap<usize, u64>,
+    overlaps: Overlaps,
+}
+
+/// Where kvmesh's router learns what each worker holds of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Overlaps {
+    /// Its own prefix index, as the sidecar runs it (`kvmesh`).
+    Index,
+    /// The engines' true caches (`kvmesh_oracle`): the same router fed
+    /// exact overlaps through `Router::pick_with_overlaps`, the hook a
+    /// precise mode would use. The gap between the two is what the index's
+    /// approximation costs.
+    Oracle,
 }
 
 impl Kvmesh {
-    fn new(workers: usize, capacity_tokens: u64, prefill_rate: f64) -> Self {
+    pub(crate) fn new(workers: usize, capacity_tokens: u64, config: RouterConfig, overlaps: Overlaps) -> Self {
         let mut router = Router::new(
-            RouterConfig {
-                default_prefill_tokens_per_ms: prefill_rate,
-                ..RouterConfig::default()
-            },
+            config,
             (0..workers).map(|w| format!("10.0.{}.{}:8000", w / 256, w % 256)),
         );
         // What the engine watcher reads from each engine's metrics.
@@ -157,13 +171,23 @@ impl Kvmesh {
         Self {
             router,
             picks: HashMap::new(),
+            overlaps,
         }
     }
 }
 
 impl Policy for Kvmesh {
     fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let d = self.router.pick(r.pick_input(view.now as u64));
+        let input = r.pick_input(view.now as u64);
+        let d = match self.overlaps {
+            Overlaps::Index => self.router.pick(input),
+            Overlaps::Oracle => {
+                let overlaps: Vec<(kvmesh_core::WorkerId, usize)> = (0..view.workers())
+                    .map(|w| (kvmesh_core::WorkerId(w), view.true_cached_blocks(w, r)))
+                    .collect();
+                self.router.pick_with_overlaps(input, &overlaps)
+            }
+        };
         self.picks.insert(r.index, d.pick_id);
         d.ranked.first().map_or(0, |w| w.0)
     }
@@ -178,6 +202,35 @@ impl Policy for Kvmesh {
             });
         }
     }
+}
+
+/// kvmesh's router configuration for a run: the defaults (with the
+/// simulated engines' prefill rate as the rate before the first outcome),
+/// then `@name=value` overrides from the policy's name, for tuning sweeps
+/// (`kvmesh@recent_prefill_weight=0.1@session_weight=1024`). `None` for a
+/// name or value it does not know.
+fn kvmesh_config(overrides: &str, prefill_rate: f64) -> Option<RouterConfig> {
+    let mut c = RouterConfig {
+        default_prefill_tokens_per_ms: prefill_rate,
+        ..RouterConfig::default()
+    };
+    for pair in overrides.split('@').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=')?;
+        let value: f64 = value.parse().ok().filter(|v: &f64| v.is_finite() && *v >= 0.0)?;
+        let field = match name {
+            "prefill_weight" => &mut c.prefill_weight,
+            "decode_weight" => &mut c.decode_weight,
+            "session_weight" => &mut c.session_weight,
+            "eviction_weight" => &mut c.eviction_weight,
+            "waiting_request_tokens" => &mut c.waiting_request_tokens,
+            "tie_tolerance" => &mut c.tie_tolerance,
+            "move_margin" => &mut c.move_margin,
+            "recent_prefill_weight" => &mut c.recent_prefill_weight,
+            _ => return None,
+        };
+        *field = value;
+    }
+    Some(c)
 }
 
 struct RoundRobin(usize);
@@ -359,7 +412,7 @@ mod tests {
     #[test]
     fn kvmesh_returns_a_session_to_its_prefix() {
         let mut world = World::new(4, 1_000_000, TimingModel::default());
-        let mut kvmesh = Kvmesh::new(4, 1_000_000, 20.0);
+        let mut kvmesh = make("kvmesh", 4, 1_000_000, 1, 20.0).unwrap();
         let base = text(7, 8);
         let first = request(0, "agent-1", &base, 1);
         let w = kvmesh.pick(&first, &world.view(0.0));
@@ -367,5 +420,36 @@ mod tests {
         kvmesh.completed(w, &first, served.cached_tokens, served.ttft_ms);
         let next = request(1, "agent-1", &(base + " and one more tool result"), 1);
         assert_eq!(kvmesh.pick(&next, &world.view(10_000.0)), w);
+    }
+
+    /// The index believes the prefix is where kvmesh sent it; the engine
+    /// that really holds it is another. The oracle follows the engine.
+    #[test]
+    fn the_oracle_follows_the_engines_cache_not_the_index() {
+        let mut world = World::new(3, 1_000_000, TimingModel::default());
+        let mut oracle = make("kvmesh_oracle", 3, 1_000_000, 1, 20.0).unwrap();
+        let doc = "shared tool schemas and a long repository context ".repeat(200);
+        let first = request(0, "a", &doc, 1);
+        let believed = oracle.pick(&first, &world.view(0.0));
+        // Served elsewhere (as if the pick had failed over).
+        let elsewhere = (believed + 1) % 3;
+        let served = world.serve(elsewhere, &first, 0.0);
+        oracle.completed(elsewhere, &first, served.cached_tokens, served.ttft_ms);
+        let next = request(1, "b", &(doc + " and one more turn"), 1);
+        assert_eq!(oracle.pick(&next, &world.view(60_000.0)), elsewhere);
+    }
+
+    #[test]
+    fn kvmesh_takes_config_overrides_for_sweeps_and_refuses_unknown_ones() {
+        assert!(kvmesh_config("", 20.0).is_some());
+        let c = kvmesh_config("@recent_prefill_weight=0.1@session_weight=1024", 20.0).unwrap();
+        assert_eq!((c.recent_prefill_weight, c.session_weight), (0.1, 1024.0));
+        assert_eq!(c.default_prefill_tokens_per_ms, 20.0);
+        for bad in ["@nope=1", "@session_weight=-1", "@session_weight=x", "@session_weight"] {
+            assert!(kvmesh_config(bad, 20.0).is_none(), "{bad}");
+        }
+        assert!(make("kvmesh@move_margin=0.5", 2, 1000, 1, 20.0).is_some());
+        assert!(make("kvmesh_oracle@move_margin=0.5", 2, 1000, 1, 20.0).is_some());
+        assert!(make("kvmeshx", 2, 1000, 1, 20.0).is_none());
     }
 }

@@ -35,6 +35,7 @@ for mode in $MODES; do
     start_deployment "$mode" "$out"
     rm -rf "${out:?}/$mode"
     read -r before_total before_cached <<<"$(engine_tokens "${workers[@]}")"
+    before_split=$(engine_prompt_by_worker "${workers[@]}")
     load_start=$(load_1m)
     started=$(date +%s.%N)
     # A local tokenizer folder is read only with HF_HUB_OFFLINE unset, and
@@ -52,12 +53,14 @@ for mode in $MODES; do
     wall=$(python3 -c "import time; print(round(time.time() - $started, 1))")
     load_end=$(load_1m)
     read -r after_total after_cached <<<"$(engine_tokens "${workers[@]}")"
+    after_split=$(engine_prompt_by_worker "${workers[@]}")
     stop_deployment
     python3 - "$out/$mode" "$mode" $((after_total - before_total)) $((after_cached - before_cached)) \
-        "$wall" "$load_start" "$load_end" >"$out/$mode-summary.json" <<'EOF'
+        "$wall" "$load_start" "$load_end" "$before_split" "$after_split" >"$out/$mode-summary.json" <<'EOF'
 import glob, json, sys
 art, mode = sys.argv[1], sys.argv[2]
 prompt, cached, wall = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+split = [b - a for a, b in zip(map(int, sys.argv[8].split(",")), map(int, sys.argv[9].split(",")))]
 def found(name):
     paths = sorted(glob.glob(f"{art}/**/{name}", recursive=True))
     if not paths:
@@ -80,7 +83,8 @@ for line in open(found("profile_export.jsonl")):
     v[1] += (m.get("usage_prompt_cache_read_tokens") or {}).get("value") or 0
 turns = range(1, max(by_turn, default=0) + 1)
 print(json.dumps({"mode": mode, "engine_prompt_tokens": prompt, "engine_cached_tokens": cached,
-                  "engine_hit_rate": cached / max(prompt, 1), "ttft_ms": ttft,
+                  "engine_hit_rate": cached / max(prompt, 1), "engine_prompt_tokens_by_worker": split,
+                  "ttft_ms": ttft,
                   "requests": (data.get("request_count") or {}).get("avg"), "failed": failed,
                   "prompt_tokens_by_turn": [by_turn.get(t, [0, 0])[0] for t in turns],
                   "cached_tokens_by_turn": [by_turn.get(t, [0, 0])[1] for t in turns],

@@ -9,16 +9,31 @@
 #
 #   integration/bench/inference_perf.sh [results-dir]
 #
+# Prints one JSON line per mode (also in <results-dir>/<mode>-summary.json):
+# the engines' hit rate (the growth of their vllm:prompt_tokens_cached_total
+# over that of vllm:prompt_tokens_total), the infinite-cache bound of the
+# prompts sent in vLLM's 128-token blocks, inference-perf's TTFT and failed
+# requests, and prompt and cached tokens per turn from the replies' usage.
+#
 # Needs `./dev setup-vllm` (the engines and .tools/vllm-model) and the
 # release binaries (`just build-release`). Knobs, as environment variables
 # (defaults: the run in docs/benchmarks.md):
-#   WORKERS=3 BLOCKS=33 MAX_MODEL_LEN=4096 CONVERSATIONS=14 TURNS=9
-#   ISL=180 OSL=16 SYSTEM=100 CONCURRENCY=5 SEED=1 MODES="kvmesh baseline"
-# SYSTEM is each conversation's own system prompt: conversation_replay
-# carries a conversation's history into its next turn only when it has one.
-# With these, a conversation ends at about 100 + 9 x (180 + 16) = 1,860
-# tokens, 14 of them about 26k distinct tokens: twice the 3 x 33 x 128 =
-# 12,672 tokens of the fleet's KV.
+#   WORKERS=3 BLOCKS=33 MAX_MODEL_LEN=4096 CONVERSATIONS=15 TURNS=9
+#   SYSTEM=100 ISL=150 OSL=16 CONCURRENCY=5 SLOTS=$CONCURRENCY SEED=1
+#   MODES="kvmesh baseline"
+# conversation_replay keeps SLOTS conversations open: each slot sends its
+# conversation's turns in order, each after the previous one answered, and
+# when they run out starts the next conversation (CONVERSATIONS / SLOTS in
+# all per slot). Its next conversation replays the slot's own blueprint (the
+# same system prompt and user turns; the replies differ, vLLM samples) under
+# a new session id. SYSTEM is each blueprint's own system prompt:
+# conversation_replay carries a conversation's history into its next turn
+# only when it has one. Its text is random token ids decoded, which the
+# tokenizer reads back 10-20 % longer, so ISL=150 rather than aiperf.sh's
+# 180: a conversation ends near aiperf.sh's 1,850 tokens (a few blueprints'
+# turns decode to text many times longer), the 5 open at once about the
+# 3 x 33 x 128 = 12,672 tokens of the fleet's KV, and all 15 about three
+# times it.
 #   INFERENCE_PERF_VENV=.tools/inference-perf (where it is installed)
 #   KVMESH_BENCH=target/release/kvmesh-bench
 set -euo pipefail
@@ -27,8 +42,10 @@ source "$(dirname "$0")/lib.sh"
 out=${1:-$bench_repo/target/inference-perf}
 venv=${INFERENCE_PERF_VENV:-$bench_repo/.tools/inference-perf}
 WORKERS=${WORKERS:-3} BLOCKS=${BLOCKS:-33} MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
-CONVERSATIONS=${CONVERSATIONS:-14} TURNS=${TURNS:-9} ISL=${ISL:-180} OSL=${OSL:-16}
-SYSTEM=${SYSTEM:-100} CONCURRENCY=${CONCURRENCY:-5} SEED=${SEED:-1} MODES=${MODES:-"kvmesh baseline"}
+CONVERSATIONS=${CONVERSATIONS:-15} TURNS=${TURNS:-9} ISL=${ISL:-150} OSL=${OSL:-16}
+SYSTEM=${SYSTEM:-100} CONCURRENCY=${CONCURRENCY:-5} SLOTS=${SLOTS:-$CONCURRENCY} SEED=${SEED:-1}
+MODES=${MODES:-"kvmesh baseline"}
+((CONVERSATIONS % SLOTS == 0)) || { echo "CONVERSATIONS=$CONVERSATIONS is not a multiple of SLOTS=$SLOTS" >&2; exit 1; }
 
 install_inference_perf "$venv"
 require_deployment_inputs
@@ -40,10 +57,7 @@ fixed() { echo "{type: fixed, mean: $1, min: $1, max: $1, std_dev: 0}"; }
 for mode in $MODES; do
     start_deployment "$mode" "$out"
     rm -rf "${out:?}/$mode"
-    # One stage of CONVERSATIONS x TURNS requests: conversation_replay gives
-    # each conversation one slot and sends its turns in order, each after
-    # the previous one answered (a slot whose turns run out would start a
-    # new conversation, which this count never reaches).
+    # One stage of CONVERSATIONS x TURNS requests over SLOTS open conversations.
     cat >"$out/$mode-config.yml" <<EOF
 api:
   type: completion
@@ -53,7 +67,7 @@ data:
   type: conversation_replay
   conversation_replay:
     seed: $SEED
-    num_conversations: $CONVERSATIONS
+    num_conversations: $SLOTS
     shared_system_prompt_len: 0
     dynamic_system_prompt_len: $(fixed "$SYSTEM")
     turns_per_conversation: $(fixed "$TURNS")
@@ -84,6 +98,7 @@ storage:
     path: $out/$mode
 EOF
     read -r before_total before_cached <<<"$(engine_tokens "${workers[@]}")"
+    before_split=$(engine_prompt_by_worker "${workers[@]}")
     load_start=$(load_1m)
     started=$(date +%s.%N)
     # Nothing is downloaded: the tokenizer is the model's own folder.
@@ -93,12 +108,17 @@ EOF
     wall=$(python3 -c "import time; print(round(time.time() - $started, 1))")
     load_end=$(load_1m)
     read -r after_total after_cached <<<"$(engine_tokens "${workers[@]}")"
+    after_split=$(engine_prompt_by_worker "${workers[@]}")
     stop_deployment
-    python3 - "$out/$mode" "$mode" $((after_total - before_total)) $((after_cached - before_cached)) \
-        "$wall" "$load_start" "$load_end" >"$out/$mode-summary.json" <<'EOF'
-import glob, json, sys
+    HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error "$venv/bin/python" - "$out/$mode" "$mode" \
+        $((after_total - before_total)) $((after_cached - before_cached)) \
+        "$wall" "$load_start" "$load_end" "$before_split" "$after_split" "$bench_model_dir" >"$out/$mode-summary.json" <<'EOF'
+import glob, hashlib, json, sys
+from transformers import AutoTokenizer
 art, mode = sys.argv[1], sys.argv[2]
 prompt, cached, wall = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+split = [b - a for a, b in zip(map(int, sys.argv[8].split(",")), map(int, sys.argv[9].split(",")))]
+BLOCK = 128
 def report(name):
     found = sorted(glob.glob(f"{art}/**/{name}", recursive=True))
     if not found:
@@ -109,8 +129,23 @@ ok, failed = summary["successes"], summary["failures"]
 ttft = (ok.get("latency") or {}).get("time_to_first_token") or {}
 # Per turn (the conversation's round, from 1), the prompt and cached tokens
 # the engines reported in each reply's usage.
+requests = sorted(report("per_request_lifecycle_metrics.json"), key=lambda r: r["start_time"])
+# The infinite-cache bound in vLLM's full 128-token blocks: each prompt as
+# the engine tokenizes it, in the order sent; a request could at best reuse
+# its run of leading full blocks that an earlier request already had.
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[10])
+seen, bound, sent = set(), 0, 0
+for r in requests:
+    ids = tokenizer(json.loads(r["request"])["prompt"])["input_ids"]
+    h, leading = hashlib.sha256(), True
+    for b in range(len(ids) // BLOCK):
+        h.update(json.dumps(ids[b * BLOCK:(b + 1) * BLOCK]).encode())
+        leading = leading and h.hexdigest() in seen
+        bound += BLOCK if leading else 0
+        seen.add(h.hexdigest())
+    sent += len(ids)
 by_turn = {}
-for r in report("per_request_lifecycle_metrics.json"):
+for r in requests:
     info = r.get("info") or {}
     turn = (info.get("extra_info") or {}).get("chat_round")
     usage = (info.get("response_metrics") or {}).get("server_usage") or {}
@@ -122,7 +157,8 @@ turns = range(1, max(by_turn, default=0) + 1)
 ms = lambda v: None if v is None else round(v * 1000, 1)
 print(json.dumps({
     "mode": mode, "engine_prompt_tokens": prompt, "engine_cached_tokens": cached,
-    "engine_hit_rate": round(cached / max(prompt, 1), 4),
+    "engine_hit_rate": round(cached / max(prompt, 1), 4), "engine_prompt_tokens_by_worker": split,
+    "bound_hit_rate": round(bound / max(sent, 1), 4), "distinct_full_blocks": len(seen),
     "ttft_ms": {"p50": ms(ttft.get("median")), "p99": ms(ttft.get("p99")), "mean": ms(ttft.get("mean"))},
     "requests": ok["count"], "failed": failed["count"],
     "client_prompt_tokens": ok["prompt_tokens"]["total"], "client_cached_tokens": ok["prompt_tokens"]["cached"],

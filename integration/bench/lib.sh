@@ -76,6 +76,16 @@ engine_tokens() {
     echo "$total $cached"
 }
 
+# Each worker's prompt tokens, comma-separated, in the order of the URLs:
+# how the run was spread over the engines.
+engine_prompt_by_worker() {
+    local w list=()
+    for w in "$@"; do
+        list+=("$(curl -sf "$w/metrics" | awk '/^vllm:prompt_tokens_total[{ ]/ {t += $NF} END {printf "%d", t}')")
+    done
+    (IFS=,; echo "${list[*]}")
+}
+
 # The 1-minute load average.
 load_1m() { cut -d' ' -f1 /proc/loadavg; }
 

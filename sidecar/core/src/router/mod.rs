@@ -121,11 +121,15 @@ impl Default for RouterConfig {
             ranked_destinations: 3,
             max_pending_picks: 100_000,
             prefill_weight: 1.0,
-            // Holding KV slows every decode step a little (a decode step
-            // reads the weights and all resident KV; thousands of tokens of
-            // KV are a few percent of a 30B model's weights); recomputing a
-            // token costs a whole prefill token.
-            decode_weight: 0.05,
+            // Holding KV slows every decode step (a step reads the weights
+            // and the batch's KV: on an 8B model at 128 KiB of KV per token
+            // and 3.35 TB/s, ~39 ns per token held per step, ~12 µs over a
+            // 300-token answer, against ~50 µs to recompute a prompt token
+            // at 20 tokens per ms: about 0.2). Measured on the closed-loop
+            // agent workloads (docs/benchmarks.md, 5 seeds): 0.1 with
+            // `recent_prefill_weight` 0.2 balanced prefill best (imbalance
+            // 1.32 → 1.20) for the least prefill of any policy.
+            decode_weight: 0.1,
             // About eight 64-token blocks per live session: enough that a
             // shared tool list does not pile sessions onto one worker,
             // small against any real session prefix.
@@ -137,10 +141,11 @@ impl Default for RouterConfig {
             move_margin: 0.25,
             default_bytes_per_token: 4.0,
             default_prefill_tokens_per_ms: 10.0,
-            // Measured on generated agent workloads (docs/benchmarks.md):
-            // imbalance 1.34 → 1.22 on average over four seeds, prefill
-            // +2.5 %.
-            recent_prefill_weight: 0.05,
+            // A new session weighs the prefill a worker did lately: on the
+            // closed-loop agent workloads (5 seeds) 0.2 computed 11 % less
+            // prefill than 0.05 with a lower TTFT p99 and imbalance
+            // (docs/benchmarks.md, "Re-tuned against the corrected field").
+            recent_prefill_weight: 0.2,
             index_budget_bytes: 1 << 30,
             max_pick_age_ms: 15 * 60 * 1000,
             // Far more models than one GPU cluster serves; small enough

@@ -461,7 +461,17 @@ pub(crate) struct ServeOptions {
 /// `kvmesh-bench serve`: starts the local deployment, prints one JSON line
 /// with its URLs, and stops everything on SIGINT or SIGTERM.
 pub(crate) async fn serve(o: ServeOptions) -> anyhow::Result<()> {
-    let cluster = o.deploy.start(o.local).await?;
+    // Listening before anything starts: a signal while the engines are still
+    // starting abandons the start instead of killing this process and
+    // leaving them behind. Every process started is stopped by its pid when
+    // dropped; vLLM engines start on a blocking thread, which the runtime
+    // lets finish before exiting, so they are stopped as soon as they are up.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let cluster = tokio::select! {
+        cluster = o.deploy.start(o.local) => cluster?,
+        _ = tokio::signal::ctrl_c() => return Ok(()),
+        _ = term.recv() => return Ok(()),
+    };
     let ready = json!({
         "kvmesh_url": cluster.envoy_url,
         "baseline_url": cluster.direct_url,
@@ -471,7 +481,6 @@ pub(crate) async fn serve(o: ServeOptions) -> anyhow::Result<()> {
         "dir": cluster.dir.display().to_string(),
     });
     println!("{ready}");
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}

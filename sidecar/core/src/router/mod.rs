@@ -125,11 +125,13 @@ impl Default for RouterConfig {
             // and the batch's KV: on an 8B model at 128 KiB of KV per token
             // and 3.35 TB/s, ~39 ns per token held per step, ~12 µs over a
             // 300-token answer, against ~50 µs to recompute a prompt token
-            // at 20 tokens per ms: about 0.2). Measured on the closed-loop
-            // agent workloads (docs/benchmarks.md, 5 seeds): 0.1 with
-            // `recent_prefill_weight` 0.2 balanced prefill best (imbalance
-            // 1.32 → 1.20) for the least prefill of any policy.
-            decode_weight: 0.1,
+            // at 20 tokens per ms), but a session that moves for it
+            // recomputes its prefix. Measured on the closed-loop agent
+            // workloads (docs/benchmarks.md, 5 seeds): 0.1 balances
+            // gen-agents' prefill better (imbalance 1.23 → 1.20) for 5.5 %
+            // more prefill there and 1.1 % more on tau-bench; 0.05 computes
+            // the least.
+            decode_weight: 0.05,
             // About eight 64-token blocks per live session: enough that a
             // shared tool list does not pile sessions onto one worker,
             // small against any real session prefix.

@@ -146,7 +146,7 @@ impl Default for RouterConfig {
             // A new session weighs the prefill a worker did lately: on the
             // closed-loop agent workloads (5 seeds) 0.2 computed 11 % less
             // prefill than 0.05 with a lower TTFT p99 and imbalance
-            // (docs/benchmarks.md, "Re-tuned against the corrected field").
+            // (docs/benchmarks.md, "The corrected field").
             recent_prefill_weight: 0.2,
             index_budget_bytes: 1 << 30,
             max_pick_age_ms: 15 * 60 * 1000,

@@ -82,28 +82,24 @@ pub struct ChunkedRequest {
     /// The model assumed while the body has not named one.
     likely_model: Option<String>,
     hasher: Option<(Vec<u8>, ChainHasher)>,
+    /// Chains started so far, and (chain, bytes it had hashed) when the
+    /// latest chunk came: what was done before the body's last chunk.
+    chains: u32,
+    before_chunk: (u32, usize),
 }
 
 impl ChunkedRequest {
     /// `likely_model` is the model assumed for hashing ahead until the body
-    /// names its own (the filter passes the last one it saw); `size_hint`
-    /// the expected body length (a `content-length`, already capped).
-    pub fn new(
-        api: Api,
-        headers: &impl Headers,
-        config: &FilterConfig,
-        likely_model: Option<&str>,
-        size_hint: usize,
-    ) -> Self {
+    /// names its own (the filter passes the last one it saw). Memory grows
+    /// with the bytes fed, never with a length the client announced.
+    pub fn new(api: Api, headers: &impl Headers, config: &FilterConfig, likely_model: Option<&str>) -> Self {
         let settings = Settings::of(config);
-        let mut cache = PartCache::default();
-        cache.bytes.reserve(size_hint.min(settings.limit()));
         Self {
             api,
             settings,
-            body: Vec::with_capacity(size_hint),
+            body: Vec::new(),
             tracker: Tracker::new(ITEM_ARRAYS),
-            cache,
+            cache: PartCache::default(),
             caching: true,
             order: Some(0),
             leading: (usize::MAX, true),
@@ -112,6 +108,8 @@ impl ChunkedRequest {
             cache_salt: None,
             likely_model: likely_model.map(str::to_owned),
             hasher: None,
+            chains: 0,
+            before_chunk: (0, 0),
         }
     }
 
@@ -126,6 +124,7 @@ impl ChunkedRequest {
 
     /// Appends the next bytes of the body and does what they allow.
     pub fn feed(&mut self, chunk: &[u8]) {
+        self.before_chunk = (self.chains, self.hasher.as_ref().map_or(0, |(_, h)| h.consumed()));
         self.body.extend_from_slice(chunk);
         self.tracker.feed(&self.body);
         for found in self.tracker.take_found() {
@@ -212,6 +211,7 @@ impl ChunkedRequest {
         };
         let seed = salt(&self.tenant, model, self.cache_salt.as_deref().unwrap_or_default());
         if self.hasher.as_ref().is_none_or(|(old, _)| *old != seed) {
+            self.chains += 1;
             self.hasher = Some((
                 seed.clone(),
                 ChainHasher::new(
@@ -247,7 +247,8 @@ impl ChunkedRequest {
         self.finish_counted(headers, truncated, config).0
     }
 
-    /// [`Self::finish`], and how many stream bytes hashed ahead it kept.
+    /// [`Self::finish`], and how many stream bytes it kept the hashes of
+    /// that were hashed before the last chunk came.
     pub fn finish_counted(
         self,
         headers: &impl Headers,
@@ -262,6 +263,8 @@ impl ChunkedRequest {
             mut cache,
             order,
             hasher,
+            chains,
+            before_chunk,
             ..
         } = self;
         let envelope = if tracker.done() {
@@ -286,7 +289,12 @@ impl ChunkedRequest {
         });
         let mut kept = 0;
         let understood = understand_envelope(api, headers, &envelope, truncated, config, ahead, &mut kept);
-        (understood, kept)
+        let ahead_of_last_chunk = if before_chunk.0 == chains {
+            kept.min(before_chunk.1)
+        } else {
+            0
+        };
+        (understood, ahead_of_last_chunk)
     }
 }
 

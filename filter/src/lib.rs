@@ -589,6 +589,11 @@ impl HttpContext for RequestFilter {
         self.started = Some(self.get_current_time());
         self.state = State::Buffering;
         if let Some(api) = self.api {
+            // Only shapes how the body's buffer grows (never reserved ahead).
+            let expected_len = host::request_header_text("content-length")
+                .and_then(|n| n.trim().parse::<usize>().ok())
+                .unwrap_or(0)
+                .min(self.config().max_body_bytes);
             let likely_model = self.shared.likely_model.borrow();
             let likely_model = (!likely_model.is_empty()).then_some(likely_model.as_str());
             self.body = Some(ChunkedRequest::new(
@@ -596,6 +601,7 @@ impl HttpContext for RequestFilter {
                 &host::request_headers(),
                 self.config(),
                 likely_model,
+                expected_len,
             ));
         }
         // Needs `allow_on_headers_stop_iteration: true` in the Wasm filter

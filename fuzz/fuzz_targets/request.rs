@@ -51,7 +51,7 @@ fuzz_target!(|data: &[u8]| {
             // Chunks of 1 to 16 bytes chosen by the body's own bytes, or of
             // a fixed 1 to 31 bytes.
             let likely = (selector & 4 == 4).then_some("m");
-            let mut chunked = ChunkedRequest::new(api, &headers, &config, likely);
+            let mut chunked = ChunkedRequest::new(api, &headers, &config, likely, usize::from(selector) * 64);
             let mut at = 0;
             while at < body.len() {
                 let size = match chunking {

@@ -64,6 +64,7 @@ impl Settings {
 pub struct ChunkedRequest {
     api: Api,
     settings: Settings,
+    expected_len: usize,
     body: Vec<u8>,
     tracker: Tracker,
     cache: PartCache,
@@ -90,13 +91,21 @@ pub struct ChunkedRequest {
 
 impl ChunkedRequest {
     /// `likely_model` is the model assumed for hashing ahead until the body
-    /// names its own (the filter passes the last one it saw). Memory grows
-    /// with the bytes fed, never with a length the client announced.
-    pub fn new(api: Api, headers: &impl Headers, config: &FilterConfig, likely_model: Option<&str>) -> Self {
+    /// names its own (the filter passes the last one it saw);
+    /// `expected_len` the body length announced (`content-length`, 0 when
+    /// unknown), which only shapes how buffers grow (see [`grow`]).
+    pub fn new(
+        api: Api,
+        headers: &impl Headers,
+        config: &FilterConfig,
+        likely_model: Option<&str>,
+        expected_len: usize,
+    ) -> Self {
         let settings = Settings::of(config);
         Self {
             api,
             settings,
+            expected_len,
             body: Vec::new(),
             tracker: Tracker::new(ITEM_ARRAYS),
             cache: PartCache::default(),
@@ -125,6 +134,14 @@ impl ChunkedRequest {
     /// Appends the next bytes of the body and does what they allow.
     pub fn feed(&mut self, chunk: &[u8]) {
         self.before_chunk = (self.chains, self.hasher.as_ref().map_or(0, |(_, h)| h.consumed()));
+        grow(&mut self.body, chunk.len(), self.expected_len);
+        // The stream is about as long as the body (whitespace out, part
+        // separators in).
+        grow(
+            &mut self.cache.bytes,
+            chunk.len(),
+            self.expected_len.min(self.settings.limit()),
+        );
         self.body.extend_from_slice(chunk);
         self.tracker.feed(&self.body);
         for found in self.tracker.take_found() {
@@ -296,6 +313,24 @@ impl ChunkedRequest {
         };
         (understood, ahead_of_last_chunk)
     }
+}
+
+/// Makes room for `incoming` more bytes, doubling as a `Vec` does but never
+/// past `expected` (once known), so the last reallocation comes while at
+/// most half of the body is in, not with its last chunk (at 1 MB, copying
+/// the body again cost more than hashing the chunk). The room is never more
+/// than the bytes already there: a client announcing a length it does not
+/// send gets no memory for it.
+fn grow(buffer: &mut Vec<u8>, incoming: usize, expected: usize) {
+    let len = buffer.len();
+    if buffer.capacity() - len >= incoming {
+        return;
+    }
+    let room = match expected.checked_sub(len) {
+        Some(left) if left >= incoming => left.min(len),
+        _ => len,
+    };
+    buffer.reserve_exact(room.max(incoming));
 }
 
 /// The slot in stream order, the name and the kind of a member that is one

@@ -235,7 +235,7 @@ fn hashes_match_the_golden_file() {
         let bytes = serde_json::to_vec(&f.body).unwrap();
         for chunk in [1, 64 * 1024] {
             let config = FilterConfig::default();
-            let mut request = ChunkedRequest::new(api, &f.headers, &config, None);
+            let mut request = ChunkedRequest::new(api, &f.headers, &config, None, bytes.len());
             for piece in bytes.chunks(chunk) {
                 request.feed(piece);
             }

@@ -27,7 +27,7 @@ fn chunked(
     let mut at: Vec<usize> = cuts.iter().map(|c| c % (body.len() + 1)).collect();
     at.push(body.len());
     at.sort_unstable();
-    let mut request = ChunkedRequest::new(api, &headers(), config, likely_model);
+    let mut request = ChunkedRequest::new(api, &headers(), config, likely_model, body.len());
     let mut from = 0;
     for to in at {
         request.feed(&body[from..to]);

@@ -620,6 +620,7 @@ impl HttpContext for RequestFilter {
         // Each chunk is scanned and hashed as it arrives (Envoy keeps
         // buffering it: `body_size` is all of the body so far), so at the
         // last byte only the stream's tail is left to hash.
+        self.metrics().inc(self.metrics().body_chunks);
         self.feed_body(body_size);
         // Ask only once the whole body is in: resuming while the client is
         // still sending races Envoy's deferred continue against the next

@@ -57,6 +57,9 @@ pub(crate) struct Metrics {
     /// Stream bytes whose block hashes were computed before the body's
     /// last chunk came (and kept): work taken off the critical path.
     pub(crate) hashed_ahead_bytes: Option<u32>,
+    /// Body callbacks of requests being buffered: with `picks`, how many
+    /// pieces Envoy delivers a body in.
+    pub(crate) body_chunks: Option<u32>,
     fail_open: [Option<u32>; FAIL_OPEN_REASONS.len()],
     parse_error: [Option<u32>; 4],
 }
@@ -78,6 +81,7 @@ impl Metrics {
             report_failed: counter("kvmesh.outcomes.report_failed"),
             late_replies: counter("kvmesh.sidecar.late_replies"),
             hashed_ahead_bytes: counter("kvmesh.hashed_ahead_bytes"),
+            body_chunks: counter("kvmesh.body_chunks"),
             fail_open: FAIL_OPEN_REASONS.map(|reason| counter(&format!("kvmesh.fail_open.{reason}"))),
             parse_error: Api::ALL.map(|api| counter(&format!("kvmesh.parse_error.{}", api.name()))),
         }

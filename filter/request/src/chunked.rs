@@ -131,16 +131,25 @@ impl ChunkedRequest {
         self.body.is_empty()
     }
 
+    /// Bytes held for the body and the parts cached from it.
+    #[cfg(test)]
+    pub(crate) fn capacity(&self) -> usize {
+        self.body.capacity() + self.cache.bytes.capacity()
+    }
+
     /// Appends the next bytes of the body and does what they allow.
     pub fn feed(&mut self, chunk: &[u8]) {
         self.before_chunk = (self.chains, self.hasher.as_ref().map_or(0, |(_, h)| h.consumed()));
         grow(&mut self.body, chunk.len(), self.expected_len);
-        // The stream is about as long as the body (whitespace out, part
-        // separators in).
+        // The stream is about as long as the body: whitespace out, part
+        // separators in (an eighth more covers an agent's many small
+        // parts). Room for the body bytes not yet in it, and that eighth.
+        let expected_stream = self.expected_len.saturating_add(self.expected_len / 8);
+        let pending = (self.body.len() + chunk.len()).saturating_sub(self.cache.bytes.len());
         grow(
             &mut self.cache.bytes,
-            chunk.len(),
-            self.expected_len.min(self.settings.limit()),
+            pending.saturating_add(pending / 8),
+            expected_stream.min(self.settings.limit()),
         );
         self.body.extend_from_slice(chunk);
         self.tracker.feed(&self.body);
@@ -316,21 +325,24 @@ impl ChunkedRequest {
 }
 
 /// Makes room for `incoming` more bytes, doubling as a `Vec` does but never
-/// past `expected` (once known), so the last reallocation comes while at
-/// most half of the body is in, not with its last chunk (at 1 MB, copying
-/// the body again cost more than hashing the chunk). The room is never more
-/// than the bytes already there: a client announcing a length it does not
+/// past `expected` while that holds them, so the last reallocation comes
+/// while about half of the body is in, not with its last chunk (at 1 MB,
+/// copying the body again cost more than hashing the chunk). Capacity stays
+/// within twice what was needed: a client announcing a length it does not
 /// send gets no memory for it.
 fn grow(buffer: &mut Vec<u8>, incoming: usize, expected: usize) {
-    let len = buffer.len();
-    if buffer.capacity() - len >= incoming {
+    let (len, capacity) = (buffer.len(), buffer.capacity());
+    let need = len.saturating_add(incoming);
+    if need <= capacity {
         return;
     }
-    let room = match expected.checked_sub(len) {
-        Some(left) if left >= incoming => left.min(len),
-        _ => len,
+    let doubled = need.max(capacity.saturating_mul(2));
+    let target = if expected >= need {
+        doubled.min(expected)
+    } else {
+        doubled
     };
-    buffer.reserve_exact(room.max(incoming));
+    buffer.reserve_exact(target - len);
 }
 
 /// The slot in stream order, the name and the kind of a member that is one

@@ -237,3 +237,31 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn buffers_grow_towards_the_announced_length_and_never_past_twice_the_bytes() {
+    let config = FilterConfig::default();
+    let body = agent_chat(40, true, false);
+    // Announced right: fed 1 KB at a time, the buffers stop growing once
+    // about half of the body is in (the stream's, an eighth more than the
+    // body, once half of that is).
+    let mut request = ChunkedRequest::new(Api::ChatCompletions, &headers(), &config, None, body.len());
+    let mut last_growth = 0;
+    let mut capacity = 0;
+    for (n, piece) in body.chunks(1000).enumerate() {
+        request.feed(piece);
+        if request.capacity() != capacity {
+            capacity = request.capacity();
+            last_growth = n * 1000;
+        }
+    }
+    assert!(
+        last_growth <= body.len() * 3 / 5 + 1000,
+        "grew at {last_growth} of {}",
+        body.len()
+    );
+    // Announced 8 MB, sent 1 KB: no memory for the announcement.
+    let mut liar = ChunkedRequest::new(Api::ChatCompletions, &headers(), &config, None, 8 << 20);
+    liar.feed(&body[..1000]);
+    assert!(liar.capacity() <= 4 * 1000, "{}", liar.capacity());
+}

@@ -328,6 +328,25 @@ impl RequestFilter {
         }
     }
 
+    /// The state of a body that comes in several pieces.
+    fn chunked_request(&self) -> Option<ChunkedRequest> {
+        let api = self.api?;
+        // Only shapes how the body's buffer grows (never reserved ahead).
+        let expected_len = host::request_header_text("content-length")
+            .and_then(|n| n.trim().parse::<usize>().ok())
+            .unwrap_or(0)
+            .min(self.config().max_body_bytes);
+        let likely_model = self.shared.likely_model.borrow();
+        let likely_model = (!likely_model.is_empty()).then_some(likely_model.as_str());
+        Some(ChunkedRequest::new(
+            api,
+            &host::request_headers(),
+            self.config(),
+            likely_model,
+            expected_len,
+        ))
+    }
+
     /// Feeds the body's bytes that arrived since the last call (up to the
     /// cap): the request crate scans and hashes what they complete.
     fn feed_body(&mut self, body_size: usize) {
@@ -588,22 +607,6 @@ impl HttpContext for RequestFilter {
         }
         self.started = Some(self.get_current_time());
         self.state = State::Buffering;
-        if let Some(api) = self.api {
-            // Only shapes how the body's buffer grows (never reserved ahead).
-            let expected_len = host::request_header_text("content-length")
-                .and_then(|n| n.trim().parse::<usize>().ok())
-                .unwrap_or(0)
-                .min(self.config().max_body_bytes);
-            let likely_model = self.shared.likely_model.borrow();
-            let likely_model = (!likely_model.is_empty()).then_some(likely_model.as_str());
-            self.body = Some(ChunkedRequest::new(
-                api,
-                &host::request_headers(),
-                self.config(),
-                likely_model,
-                expected_len,
-            ));
-        }
         // Needs `allow_on_headers_stop_iteration: true` in the Wasm filter
         // config, or Envoy never delivers the body and the request hangs.
         Action::Pause
@@ -621,6 +624,14 @@ impl HttpContext for RequestFilter {
         // buffering it: `body_size` is all of the body so far), so at the
         // last byte only the stream's tail is left to hash.
         self.metrics().inc(self.metrics().body_chunks);
+        // A body whole in its first callback takes the one-shot path: there
+        // is nothing to do ahead of its last byte.
+        if end_of_stream && self.body.is_none() {
+            return self.ask_sidecar(body_size);
+        }
+        if self.body.is_none() {
+            self.body = self.chunked_request();
+        }
         self.feed_body(body_size);
         // Ask only once the whole body is in: resuming while the client is
         // still sending races Envoy's deferred continue against the next

@@ -182,6 +182,7 @@ impl RootContext for Root {
             state: State::PassThrough,
             api: None,
             body: None,
+            expected_len: None,
             path: String::new(),
             started: None,
             asked: None,
@@ -224,6 +225,8 @@ struct RequestFilter {
     api: Option<Api>,
     /// The body so far, understood as it arrives (while buffering).
     body: Option<ChunkedRequest>,
+    /// The body length announced (`content-length`, capped at the parse cap).
+    expected_len: Option<usize>,
     path: String,
     started: Option<SystemTime>,
     /// The Pick asked for this request, kept to report its outcome.
@@ -332,10 +335,7 @@ impl RequestFilter {
     fn chunked_request(&self) -> Option<ChunkedRequest> {
         let api = self.api?;
         // Only shapes how the body's buffer grows (never reserved ahead).
-        let expected_len = host::request_header_text("content-length")
-            .and_then(|n| n.trim().parse::<usize>().ok())
-            .unwrap_or(0)
-            .min(self.config().max_body_bytes);
+        let expected_len = self.expected_len.unwrap_or(0).min(self.config().max_body_bytes);
         let likely_model = self.shared.likely_model.borrow();
         let likely_model = (!likely_model.is_empty()).then_some(likely_model.as_str());
         Some(ChunkedRequest::new(
@@ -607,6 +607,7 @@ impl HttpContext for RequestFilter {
         }
         self.started = Some(self.get_current_time());
         self.state = State::Buffering;
+        self.expected_len = host::request_header_text("content-length").and_then(|n| n.trim().parse().ok());
         // Needs `allow_on_headers_stop_iteration: true` in the Wasm filter
         // config, or Envoy never delivers the body and the request hangs.
         Action::Pause
@@ -625,9 +626,16 @@ impl HttpContext for RequestFilter {
         // last byte only the stream's tail is left to hash.
         self.metrics().inc(self.metrics().body_chunks);
         // A body whole in its first callback takes the one-shot path: there
-        // is nothing to do ahead of its last byte.
-        if end_of_stream && self.body.is_none() {
-            return self.ask_sidecar(body_size);
+        // is nothing to do ahead of its last byte. (Over HTTP/1 Envoy ends
+        // every body with an empty callback, so "whole" is also all the
+        // announced bytes in.)
+        if self.body.is_none() {
+            if end_of_stream {
+                return self.ask_sidecar(body_size);
+            }
+            if self.expected_len == Some(body_size) {
+                return Action::Pause;
+            }
         }
         if self.body.is_none() {
             self.body = self.chunked_request();

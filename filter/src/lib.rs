@@ -23,7 +23,8 @@ use std::time::{Duration, SystemTime};
 
 use kvmesh_proto::{method, v1};
 use kvmesh_request::{
-    Api, DESTINATION_HEADER, FORGED_DESTINATION_HEADER, FilterConfig, NotUnderstood, Section, Understood, UsageReader,
+    Api, ChunkedRequest, DESTINATION_HEADER, FORGED_DESTINATION_HEADER, FilterConfig, NotUnderstood, Section,
+    Understood, UsageReader,
 };
 use kvmesh_vocab::limits::{MAX_MESSAGE_BYTES, MAX_PATH_BYTES, clip};
 use log::{debug, info, warn};
@@ -57,6 +58,10 @@ struct Shared {
     metadata: Vec<(&'static str, Vec<u8>)>,
     metrics: Metrics,
     streams: RefCell<Streams>,
+    /// The model of the last request understood on this thread: a body that
+    /// names its model only after its messages is hashed ahead with this
+    /// one, and hashed again at the end if it was not.
+    likely_model: RefCell<String>,
 }
 
 impl Shared {
@@ -135,6 +140,7 @@ impl RootContext for Root {
                     config,
                     metrics: Metrics::define(),
                     streams: RefCell::new(Streams::new(self.context_id)),
+                    likely_model: RefCell::new(String::new()),
                 });
                 shared.streams.borrow_mut().ensure_open(
                     &shared.config.sidecar_cluster,
@@ -175,6 +181,8 @@ impl RootContext for Root {
             shared,
             state: State::PassThrough,
             api: None,
+            body: None,
+            expected_len: None,
             path: String::new(),
             started: None,
             asked: None,
@@ -215,6 +223,10 @@ struct RequestFilter {
     shared: Rc<Shared>,
     state: State,
     api: Option<Api>,
+    /// The body so far, understood as it arrives (while buffering).
+    body: Option<ChunkedRequest>,
+    /// The body length announced (`content-length`, capped at the parse cap).
+    expected_len: Option<usize>,
     path: String,
     started: Option<SystemTime>,
     /// The Pick asked for this request, kept to report its outcome.
@@ -272,6 +284,7 @@ impl RequestFilter {
 
     fn fail_open(&mut self, why: FailOpen) -> Action {
         self.metrics().fail_open(why);
+        self.body = None;
         self.state = State::PassThrough;
         Action::Continue
     }
@@ -318,13 +331,67 @@ impl RequestFilter {
         }
     }
 
+    /// The state of a body that comes in several pieces.
+    fn chunked_request(&self) -> Option<ChunkedRequest> {
+        let api = self.api?;
+        // Only shapes how the body's buffer grows (never reserved ahead).
+        let expected_len = self.expected_len.unwrap_or(0).min(self.config().max_body_bytes);
+        let likely_model = self.shared.likely_model.borrow();
+        let likely_model = (!likely_model.is_empty()).then_some(likely_model.as_str());
+        Some(ChunkedRequest::new(
+            api,
+            &host::request_headers(),
+            self.config(),
+            likely_model,
+            expected_len,
+        ))
+    }
+
+    /// Feeds the body's bytes that arrived since the last call (up to the
+    /// cap): the request crate scans and hashes what they complete.
+    fn feed_body(&mut self, body_size: usize) {
+        let upto = body_size.min(self.config().max_body_bytes);
+        let Some(fed) = self.body.as_ref().map(ChunkedRequest::len) else {
+            return;
+        };
+        if upto <= fed {
+            return;
+        }
+        // A host that cannot give the range now is asked again with the
+        // next chunk, or for the whole body at the end.
+        if let Some(chunk) = self.get_http_request_body(fed, upto - fed)
+            && chunk.len() == upto - fed
+            && let Some(body) = self.body.as_mut()
+        {
+            body.feed(&chunk);
+        }
+    }
+
     /// Understands the (possibly cut) body and dispatches the Pick.
-    fn ask_sidecar(&mut self, body: &[u8], body_truncated: bool) -> Action {
+    fn ask_sidecar(&mut self, body_size: usize) -> Action {
         let Some(api) = self.api else {
             return self.fail_open(FailOpen::NotUnderstood);
         };
+        let cap = self.config().max_body_bytes;
+        let body_truncated = body_size > cap;
+        if body_truncated {
+            // Route on the first `cap` bytes; the body still goes whole.
+            debug!("kvmesh: body of {body_size} bytes over {cap}, routed on its first {cap}");
+        }
         let headers = host::request_headers();
-        let understood = match kvmesh_request::understand(api, &headers, body, body_truncated, self.config()) {
+        let understood = match self.body.take() {
+            Some(body) if body.len() == body_size.min(cap) => {
+                let (understood, ahead) = body.finish_counted(&headers, body_truncated, self.config());
+                self.metrics().add(self.metrics().hashed_ahead_bytes, ahead);
+                understood
+            }
+            // Not every chunk could be read as it came: read the body whole.
+            _ => {
+                let body = self.get_http_request_body(0, body_size.min(cap)).unwrap_or_default();
+                kvmesh_request::understand(api, &headers, &body, body_truncated, self.config())
+            }
+        };
+        let understood = match understood {
             Ok(understood) => understood,
             Err(err @ NotUnderstood::ModelTooLong(_)) => {
                 debug!("kvmesh: {} request not routed on content: {err}", api.name());
@@ -338,6 +405,9 @@ impl RequestFilter {
         };
         if understood.body_truncated {
             self.metrics().inc(self.metrics().truncated_body);
+        }
+        if *self.shared.likely_model.borrow() != understood.model {
+            self.shared.likely_model.replace(understood.model.clone());
         }
         if understood.hashes.truncated {
             self.metrics().inc(self.metrics().truncated_blocks);
@@ -537,6 +607,7 @@ impl HttpContext for RequestFilter {
         }
         self.started = Some(self.get_current_time());
         self.state = State::Buffering;
+        self.expected_len = host::request_header_text("content-length").and_then(|n| n.trim().parse().ok());
         // Needs `allow_on_headers_stop_iteration: true` in the Wasm filter
         // config, or Envoy never delivers the body and the request hangs.
         Action::Pause
@@ -550,21 +621,33 @@ impl HttpContext for RequestFilter {
             State::AwaitingPick | State::PassThrough => return Action::Continue,
             State::Buffering => {}
         }
+        // Each chunk is scanned and hashed as it arrives (Envoy keeps
+        // buffering it: `body_size` is all of the body so far), so at the
+        // last byte only the stream's tail is left to hash.
+        self.metrics().inc(self.metrics().body_chunks);
+        // A body whole in its first callback takes the one-shot path: there
+        // is nothing to do ahead of its last byte. (Over HTTP/1 Envoy ends
+        // every body with an empty callback, so "whole" is also all the
+        // announced bytes in.)
+        if self.body.is_none() {
+            if end_of_stream {
+                return self.ask_sidecar(body_size);
+            }
+            if self.expected_len == Some(body_size) {
+                return Action::Pause;
+            }
+        }
+        if self.body.is_none() {
+            self.body = self.chunked_request();
+        }
+        self.feed_body(body_size);
         // Ask only once the whole body is in: resuming while the client is
         // still sending races Envoy's deferred continue against the next
         // chunk, and under load the chunks reached the worker out of order.
         if !end_of_stream {
             return Action::Pause;
         }
-        let cap = self.config().max_body_bytes;
-        if body_size > cap {
-            // Route on the first `cap` bytes; the body still goes whole.
-            debug!("kvmesh: body of {body_size} bytes over {cap}, routed on its first {cap}");
-            let head = self.get_http_request_body(0, cap).unwrap_or_default();
-            return self.ask_sidecar(&head, true);
-        }
-        let body = self.get_http_request_body(0, body_size).unwrap_or_default();
-        self.ask_sidecar(&body, false)
+        self.ask_sidecar(body_size)
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {

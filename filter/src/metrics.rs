@@ -54,6 +54,12 @@ pub(crate) struct Metrics {
     pub(crate) report_failed: Option<u32>,
     /// Pick replies that came after their request failed open.
     pub(crate) late_replies: Option<u32>,
+    /// Stream bytes whose block hashes were computed before the body's
+    /// last chunk came (and kept): work taken off the critical path.
+    pub(crate) hashed_ahead_bytes: Option<u32>,
+    /// Body callbacks of requests being buffered: with `picks`, how many
+    /// pieces Envoy delivers a body in.
+    pub(crate) body_chunks: Option<u32>,
     fail_open: [Option<u32>; FAIL_OPEN_REASONS.len()],
     parse_error: [Option<u32>; 4],
 }
@@ -74,14 +80,22 @@ impl Metrics {
             outcomes_with_usage: counter("kvmesh.outcomes.with_usage"),
             report_failed: counter("kvmesh.outcomes.report_failed"),
             late_replies: counter("kvmesh.sidecar.late_replies"),
+            hashed_ahead_bytes: counter("kvmesh.hashed_ahead_bytes"),
+            body_chunks: counter("kvmesh.body_chunks"),
             fail_open: FAIL_OPEN_REASONS.map(|reason| counter(&format!("kvmesh.fail_open.{reason}"))),
             parse_error: Api::ALL.map(|api| counter(&format!("kvmesh.parse_error.{}", api.name()))),
         }
     }
 
     pub(crate) fn inc(&self, metric: Option<u32>) {
-        if let Some(id) = metric {
-            let _ = hostcalls::increment_metric(id, 1);
+        self.add(metric, 1);
+    }
+
+    pub(crate) fn add(&self, metric: Option<u32>, by: usize) {
+        if let Some(id) = metric
+            && by > 0
+        {
+            let _ = hostcalls::increment_metric(id, i64::try_from(by).unwrap_or(i64::MAX));
         }
     }
 

@@ -2,9 +2,11 @@
 //! whole body and as one cut at the cap, with arbitrary header bytes (not
 //! only UTF-8) in every header it reads: never a panic; when it succeeds
 //! the result is bounded by the configuration and by the wire's limits.
+//! The body is also fed in chunks of fuzzer-chosen sizes, as Envoy delivers
+//! it, and must be understood exactly as in one piece.
 #![no_main]
 
-use kvmesh_request::{Api, FilterConfig, understand};
+use kvmesh_request::{Api, ChunkedRequest, FilterConfig, understand};
 use kvmesh_vocab::limits::{MAX_ID_BYTES, MAX_SECTIONS};
 use libfuzzer_sys::fuzz_target;
 
@@ -23,9 +25,11 @@ const READ_HEADERS: [&str; 10] = [
 ];
 
 fuzz_target!(|data: &[u8]| {
-    // The first byte picks the headers and the trust setting, the next
-    // bytes (up to the first 0x00) are header values, the rest is the body.
+    // The first byte picks the headers, the trust setting, the model
+    // assumed for hashing ahead and the chunk sizes; the next bytes (up to
+    // the first 0x00) are header values, the rest is the body.
     let (selector, rest) = data.split_first().map_or((0, data), |(s, b)| (*s, b));
+    let chunking = selector >> 3;
     let (values, body) = match rest.iter().position(|b| *b == 0) {
         Some(at) if selector & 1 == 1 => (&rest[..at], &rest[at + 1..]),
         _ => (&[][..], rest),
@@ -43,7 +47,23 @@ fuzz_target!(|data: &[u8]| {
     }
     for api in Api::ALL {
         for truncated in [false, true] {
-            if let Ok(u) = understand(api, &headers, body, truncated, &config) {
+            let whole = understand(api, &headers, body, truncated, &config);
+            // Chunks of 1 to 16 bytes chosen by the body's own bytes, or of
+            // a fixed 1 to 31 bytes.
+            let likely = (selector & 4 == 4).then_some("m");
+            let mut chunked = ChunkedRequest::new(api, &headers, &config, likely, usize::from(selector) * 64);
+            let mut at = 0;
+            while at < body.len() {
+                let size = match chunking {
+                    0 => usize::from(body[at] % 16) + 1,
+                    n => usize::from(n),
+                };
+                let end = (at + size).min(body.len());
+                chunked.feed(&body[at..end]);
+                at = end;
+            }
+            assert_eq!(chunked.finish(&headers, truncated, &config), whole);
+            if let Ok(u) = whole {
                 assert!(u.hashes.hashes.len() <= config.max_blocks);
                 assert!(u.model.len() <= MAX_ID_BYTES);
                 assert!(u.sections.len() <= MAX_SECTIONS);

@@ -2,8 +2,9 @@
 //! (Envoy's V8 runs the same code several times slower: the end-to-end
 //! figure is `kvmesh-bench filter-overhead`, in docs/benchmarks.md.)
 
+use criterion::BatchSize;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvmesh_request::{Api, BlockHash, FilterConfig, understand};
+use kvmesh_request::{Api, BlockHash, ChunkedRequest, FilterConfig, understand};
 use serde_json::json;
 
 fn agent_body(bytes: usize) -> Vec<u8> {
@@ -41,8 +42,47 @@ fn bench_understand(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench_understand, bench_hostile);
+criterion_group!(benches, bench_understand, bench_chunked, bench_hostile);
 criterion_main!(benches);
+
+/// The body in 64 KB chunks, as Envoy delivers a large one: all of the work
+/// (`total`), and what is left once the last chunk comes (`last_chunk`, the
+/// part on the request's critical path).
+fn bench_chunked(c: &mut Criterion) {
+    let headers: Vec<(String, String)> = vec![("x-session-id".into(), "s".into())];
+    let config = FilterConfig::default();
+    let chunk = 64 * 1024;
+    let mut group = c.benchmark_group("chunked");
+    for kb in [10usize, 100, 400, 1000] {
+        let body = agent_body(kb * 1000);
+        let last = body.len().saturating_sub(1).max(1).div_ceil(chunk).saturating_sub(1) * chunk;
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        group.bench_with_input(BenchmarkId::new("total", format!("{kb}KB")), &body, |b, body| {
+            b.iter(|| {
+                let mut request = ChunkedRequest::new(Api::ChatCompletions, &headers, &config, None, body.len());
+                for piece in body.chunks(chunk) {
+                    request.feed(piece);
+                }
+                request.finish(&headers, false, &config)
+            });
+        });
+        group.bench_with_input(BenchmarkId::new("last_chunk", format!("{kb}KB")), &body, |b, body| {
+            b.iter_batched(
+                || {
+                    let mut request = ChunkedRequest::new(Api::ChatCompletions, &headers, &config, None, body.len());
+                    request.feed(&body[..last]);
+                    request
+                },
+                |mut request| {
+                    request.feed(&body[last..]);
+                    request.finish(&headers, false, &config)
+                },
+                BatchSize::LargeInput,
+            );
+        });
+    }
+    group.finish();
+}
 
 fn bench_hostile(c: &mut Criterion) {
     let headers: Vec<(String, String)> = vec![("x-session-id".into(), "s".into())];

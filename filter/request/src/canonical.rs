@@ -107,6 +107,15 @@ impl<'a> Envelope<'a> {
         })
     }
 
+    /// The members a [`crate::scan::Tracker`] found in the whole `body`.
+    pub(crate) fn from_members(body: &'a [u8], members: Vec<(Range<usize>, Range<usize>)>, truncated: bool) -> Self {
+        Self {
+            body,
+            members,
+            truncated,
+        }
+    }
+
     /// The raw value of member `key` (the last one, as JSON parsers do).
     pub fn raw(&self, key: &str) -> Option<&'a [u8]> {
         let body = self.body;
@@ -131,12 +140,7 @@ impl<'a> Envelope<'a> {
 
     /// A string member; `None` when absent or not a string.
     pub fn string(&self, key: &str) -> Option<Cow<'a, str>> {
-        let raw = self.raw(key)?;
-        // Plain strings (no escapes) borrow; the rest decode.
-        if raw.len() >= 2 && raw[0] == b'"' && !raw[1..raw.len() - 1].contains(&b'\\') {
-            return std::str::from_utf8(&raw[1..raw.len() - 1]).ok().map(Cow::Borrowed);
-        }
-        serde_json::from_slice::<String>(raw).ok().map(Cow::Owned)
+        json_string(self.raw(key)?)
     }
 
     /// A member parsed as a JSON tree (for small members such as `metadata`).
@@ -147,6 +151,105 @@ impl<'a> Envelope<'a> {
     pub fn truncated(&self) -> bool {
         self.truncated
     }
+}
+
+/// A raw JSON value as a string; `None` when it is not a string.
+pub(crate) fn json_string(raw: &[u8]) -> Option<Cow<'_, str>> {
+    // Plain strings (no escapes) borrow; the rest decode.
+    if raw.len() >= 2 && raw[0] == b'"' && !raw[1..raw.len() - 1].contains(&b'\\') {
+        return std::str::from_utf8(&raw[1..raw.len() - 1]).ok().map(Cow::Borrowed);
+    }
+    serde_json::from_slice::<String>(raw).ok().map(Cow::Owned)
+}
+
+/// Appends one part (separator, name, the value minified) to `out`, which
+/// stops at `limit` bytes.
+pub(crate) fn write_part(
+    body: &[u8],
+    name: &[u8],
+    value: Range<usize>,
+    out: &mut Vec<u8>,
+    limit: usize,
+) -> Result<(), ScanError> {
+    out.push(SECTION);
+    out.extend_from_slice(name);
+    out.push(FIELD);
+    scan::write_minified(body, value, DROPPED_KEYS, out, limit)
+}
+
+/// One part written ahead into a [`PartCache`].
+#[derive(Debug, Clone)]
+pub(crate) struct CachedPart {
+    pub(crate) name: &'static [u8],
+    pub(crate) kind: SectionKind,
+    pub(crate) index: u32,
+    /// The value's span in the body.
+    pub(crate) value: Range<usize>,
+    /// The part's bytes in the cache.
+    pub(crate) bytes: Range<usize>,
+    pub(crate) digest: u32,
+    /// Not cut by the limit: the bytes are the part's wherever it lands.
+    pub(crate) whole: bool,
+}
+
+/// Parts of the canonical stream written before the body is complete, in
+/// the order their values arrived. When that order was the canonical one,
+/// `bytes` is the stream's first bytes, and the builder keeps them where
+/// they are; a part found elsewhere is copied; a part not there at all is
+/// written as usual. Whatever was cached, the stream is the one
+/// [`canonical_stream`] builds from the whole body.
+#[derive(Debug, Default)]
+pub(crate) struct PartCache {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) parts: Vec<CachedPart>,
+    /// The element spans of `messages` / `input` arrays, by the array's
+    /// span, each as `for_each_element` would find them.
+    pub(crate) arrays: Vec<(Range<usize>, Vec<Range<usize>>)>,
+}
+
+impl PartCache {
+    /// Writes a part at the end of the cache, as [`canonical_stream`]
+    /// would at this offset; `false` when it does not scan (nothing kept).
+    pub(crate) fn write(
+        &mut self,
+        body: &[u8],
+        (name, kind, index): (&'static [u8], SectionKind, u32),
+        value: Range<usize>,
+        limit: usize,
+    ) -> bool {
+        let mark = self.bytes.len();
+        if write_part(body, name, value.clone(), &mut self.bytes, limit).is_err() {
+            self.bytes.truncate(mark);
+            return false;
+        }
+        self.parts.push(CachedPart {
+            name,
+            kind,
+            index,
+            value,
+            digest: xxh3_64(&self.bytes[mark..]) as u32,
+            whole: self.bytes.len() < limit,
+            bytes: mark..self.bytes.len(),
+        });
+        true
+    }
+}
+
+/// The builder's view of a [`PartCache`].
+#[derive(Debug)]
+struct Reuse {
+    parts: Vec<CachedPart>,
+    arrays: Vec<(Range<usize>, Vec<Range<usize>>)>,
+    /// Parts `..next` are in `out` where the builder wants them.
+    next: usize,
+    /// While `Some`, `out` is the cache's bytes and the stream so far is
+    /// its first `kept` bytes; after the first part that is not the next
+    /// cached one, `rest` holds the cache's bytes from `rest_at` on.
+    kept: Option<usize>,
+    rest: Vec<u8>,
+    rest_at: usize,
+    /// Cached parts by value span, built once the in-place run ends.
+    by_value: std::collections::HashMap<(usize, usize), usize>,
 }
 
 /// One part of the canonical stream: where it starts, and a digest of its
@@ -181,11 +284,68 @@ struct Builder<'e, 'a> {
     truncated: bool,
     /// A cut body lacks a member that the stream puts before what it has.
     unknown_order: bool,
-    /// (kind, index, start) of each part written.
-    sections: Vec<(SectionKind, u32, usize)>,
+    /// (kind, index, start, digest when known) of each part written.
+    sections: Vec<(SectionKind, u32, usize, Option<u32>)>,
+    reuse: Option<Reuse>,
 }
 
 impl Builder<'_, '_> {
+    /// Length of the stream so far.
+    fn len(&self) -> usize {
+        match &self.reuse {
+            Some(Reuse { kept: Some(kept), .. }) => *kept,
+            _ => self.out.len(),
+        }
+    }
+
+    /// Takes the part from the cache when it holds it: in place while the
+    /// cache runs in stream order, else copied when it is whole and fits.
+    fn cached(&mut self, name: &[u8], kind: SectionKind, index: u32, value: &Range<usize>) -> bool {
+        let Some(reuse) = self.reuse.as_mut() else {
+            return false;
+        };
+        if let Some(kept) = reuse.kept {
+            if let Some(part) = reuse.parts.get(reuse.next)
+                && part.bytes.start == kept
+                && part.name == name
+                && part.kind == kind
+                && part.index == index
+                && part.value == *value
+            {
+                self.sections.push((kind, index, kept, Some(part.digest)));
+                reuse.kept = Some(part.bytes.end);
+                reuse.next += 1;
+                return true;
+            }
+            reuse.rest = self.out.split_off(kept);
+            reuse.rest_at = kept;
+            reuse.kept = None;
+            reuse.by_value = reuse.parts[reuse.next..]
+                .iter()
+                .enumerate()
+                .map(|(i, part)| ((part.value.start, part.value.end), reuse.next + i))
+                .collect();
+        }
+        let Some(part) = reuse
+            .by_value
+            .get(&(value.start, value.end))
+            .and_then(|&i| reuse.parts.get(i))
+        else {
+            return false;
+        };
+        let fits = self.out.len() + part.bytes.len() <= self.limit;
+        let bytes = (part.bytes.start.checked_sub(reuse.rest_at))
+            .and_then(|start| reuse.rest.get(start..start + part.bytes.len()));
+        match bytes {
+            Some(bytes) if part.whole && fits && part.name == name => {
+                self.sections.push((kind, index, self.out.len(), Some(part.digest)));
+                self.out.extend_from_slice(bytes);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Appends one part; on a cut body, a part that does not scan ends the
     /// stream (what came before it is kept).
     fn part(
@@ -195,17 +355,17 @@ impl Builder<'_, '_> {
         index: u32,
         value: Range<usize>,
     ) -> Result<bool, CanonicalError> {
-        if self.out.len() >= self.limit {
+        if self.len() >= self.limit {
             self.truncated = true;
             return Ok(false);
         }
+        if self.cached(name, kind, index, &value) {
+            return Ok(true);
+        }
         let mark = self.out.len();
-        self.out.push(SECTION);
-        self.out.extend_from_slice(name);
-        self.out.push(FIELD);
-        match scan::write_minified(self.envelope.body, value, DROPPED_KEYS, &mut self.out, self.limit) {
+        match write_part(self.envelope.body, name, value, &mut self.out, self.limit) {
             Ok(()) => {
-                self.sections.push((kind, index, mark));
+                self.sections.push((kind, index, mark, None));
                 Ok(true)
             }
             Err(_) if self.envelope.truncated => {
@@ -261,7 +421,11 @@ impl Builder<'_, '_> {
         // System messages lead the conversation: roles are read only until
         // the first other one, so a long conversation is not scanned twice.
         let mut leading = true;
-        let scanned = scan::for_each_element(body, span, |element| {
+        let tracked = self.reuse.as_mut().and_then(|reuse| {
+            let at = reuse.arrays.iter().position(|(array, _)| *array == span)?;
+            Some(reuse.arrays.swap_remove(at).1)
+        });
+        let mut each = |element: Range<usize>| {
             leading = leading && is_system_message(body, element.clone());
             let kind = if leading {
                 SectionKind::System
@@ -277,7 +441,19 @@ impl Builder<'_, '_> {
                     false
                 }
             }
-        });
+        };
+        // The tracker found these elements as `for_each_element` does.
+        let scanned = match tracked {
+            Some(elements) => {
+                for element in elements {
+                    if !each(element) {
+                        break;
+                    }
+                }
+                Ok(())
+            }
+            None => scan::for_each_element(body, span, each),
+        };
         if let Some(err) = failed {
             return Err(err);
         }
@@ -291,7 +467,7 @@ impl Builder<'_, '_> {
 }
 
 /// A message whose `role` is `system` or `developer`.
-fn is_system_message(body: &[u8], element: Range<usize>) -> bool {
+pub(crate) fn is_system_message(body: &[u8], element: Range<usize>) -> bool {
     let mut system = false;
     // A malformed element is not a system message; the minifier reports it.
     let _ = scan::for_each_member(body, element, |key, value| {
@@ -305,13 +481,40 @@ fn is_system_message(body: &[u8], element: Range<usize>) -> bool {
 /// Builds the canonical stream of a request of `api`, up to `limit` bytes
 /// (what the block cap lets be hashed).
 pub fn canonical_stream(api: Api, envelope: &Envelope<'_>, limit: usize) -> Result<Canonical, CanonicalError> {
+    canonical_stream_reusing(api, envelope, limit, None).map(|(canonical, _)| canonical)
+}
+
+/// [`canonical_stream`], taking what it can from `cache`; also says how many
+/// first bytes of the cache's bytes the stream kept where they were.
+pub(crate) fn canonical_stream_reusing(
+    api: Api,
+    envelope: &Envelope<'_>,
+    limit: usize,
+    cache: Option<PartCache>,
+) -> Result<(Canonical, usize), CanonicalError> {
+    let (out, reuse) = match cache {
+        Some(cache) => (
+            cache.bytes,
+            Some(Reuse {
+                parts: cache.parts,
+                arrays: cache.arrays,
+                next: 0,
+                kept: Some(0),
+                rest: Vec::new(),
+                rest_at: 0,
+                by_value: std::collections::HashMap::new(),
+            }),
+        ),
+        None => (Vec::with_capacity(envelope.body.len().min(limit)), None),
+    };
     let mut b = Builder {
         envelope,
         limit,
-        out: Vec::with_capacity(envelope.body.len().min(limit)),
+        out,
         truncated: false,
         unknown_order: false,
         sections: Vec::new(),
+        reuse,
     };
     match api {
         Api::ChatCompletions => {
@@ -346,28 +549,40 @@ pub fn canonical_stream(api: Api, envelope: &Envelope<'_>, limit: usize) -> Resu
             }
         }
     }
+    let mut kept = 0;
+    if let Some(Reuse { kept: Some(len), .. }) = b.reuse {
+        // Cached parts past the last one used are not the stream's.
+        b.out.truncate(len);
+        kept = len;
+    } else if let Some(reuse) = &b.reuse {
+        kept = reuse.rest_at;
+    }
     if b.unknown_order {
         // Better no prefix than a wrong one: the sidecar routes on the session.
         b.out.clear();
         b.sections.clear();
+        kept = 0;
     }
     let ends = b.sections.iter().skip(1).map(|s| s.2).chain([b.out.len()]);
     let sections = b
         .sections
         .iter()
         .zip(ends)
-        .map(|(&(kind, index, start), end)| Section {
+        .map(|(&(kind, index, start, digest), end)| Section {
             kind,
             index,
             start: start as u64,
             // The low half of XXH3-64 is plenty to tell two versions of
             // one part apart.
-            digest: xxh3_64(b.out.get(start..end).unwrap_or_default()) as u32,
+            digest: digest.unwrap_or_else(|| xxh3_64(b.out.get(start..end).unwrap_or_default()) as u32),
         })
         .collect();
-    Ok(Canonical {
-        truncated: b.truncated || envelope.truncated(),
-        stream: b.out,
-        sections,
-    })
+    Ok((
+        Canonical {
+            truncated: b.truncated || envelope.truncated(),
+            stream: b.out,
+            sections,
+        },
+        kept,
+    ))
 }

@@ -49,40 +49,101 @@ pub fn salt(tenant: &str, model: &str, cache_salt: &str) -> Vec<u8> {
 /// Hashes `stream` in blocks of `block_bytes`, at most `max_blocks` of them.
 /// A trailing partial block is hashed and flagged.
 pub fn block_hashes(hash: BlockHash, salt: &[u8], stream: &[u8], block_bytes: usize, max_blocks: usize) -> BlockHashes {
-    let block_bytes = block_bytes.max(1);
-    let blocks = stream.chunks(block_bytes).take(max_blocks);
-    let mut hashes = Vec::with_capacity(blocks.len());
-    let mut last_partial = false;
-    match hash {
-        BlockHash::Sha256 => {
-            let mut prev: [u8; 32] = Sha256::digest(salt).into();
-            for block in blocks {
-                prev = Sha256::new().chain_update(prev).chain_update(block).finalize().into();
-                hashes.push(u64::from_be_bytes(first8(&prev)));
-                last_partial = block.len() < block_bytes;
-            }
+    ChainHasher::new(hash, salt, block_bytes, max_blocks).finish(stream)
+}
+
+/// The chain of [`block_hashes`], computed as the stream grows: each whole
+/// block is hashed once it is there, and only the tail waits for the end.
+#[derive(Debug, Clone)]
+pub struct ChainHasher {
+    block_bytes: usize,
+    max_blocks: usize,
+    chain: Chain,
+    hashes: Vec<u64>,
+    /// Bytes of the stream hashed so far (whole blocks).
+    consumed: usize,
+}
+
+#[derive(Debug, Clone)]
+enum Chain {
+    Sha256([u8; 32]),
+    /// `input` is one reusable buffer of `prev ‖ block`: a one-shot XXH3
+    /// over it is faster than the streaming state for 256-byte blocks.
+    Xxh3 {
+        prev: u128,
+        input: Vec<u8>,
+    },
+}
+
+impl ChainHasher {
+    pub fn new(hash: BlockHash, salt: &[u8], block_bytes: usize, max_blocks: usize) -> Self {
+        let block_bytes = block_bytes.max(1);
+        let chain = match hash {
+            BlockHash::Sha256 => Chain::Sha256(Sha256::digest(salt).into()),
+            BlockHash::Xxh3 => Chain::Xxh3 {
+                prev: xxh3_128(salt),
+                input: Vec::with_capacity(16 + block_bytes),
+            },
+        };
+        Self {
+            block_bytes,
+            max_blocks,
+            chain,
+            hashes: Vec::new(),
+            consumed: 0,
         }
-        BlockHash::Xxh3 => {
-            // One reusable buffer of `prev ‖ block`: a one-shot XXH3 over
-            // it is faster than the streaming state for 256-byte blocks.
-            let mut input = Vec::with_capacity(16 + block_bytes);
-            let mut prev = xxh3_128(salt);
-            for block in blocks {
+    }
+
+    /// Bytes of the stream hashed so far: `finish` must see them unchanged.
+    pub fn consumed(&self) -> usize {
+        self.consumed
+    }
+
+    /// Hashes the whole blocks of `stream` (the stream so far, of which the
+    /// first `consumed()` bytes are the ones already hashed) not yet hashed.
+    pub fn absorb(&mut self, stream: &[u8]) {
+        while self.hashes.len() < self.max_blocks
+            && let Some(block) = stream.get(self.consumed..self.consumed.saturating_add(self.block_bytes))
+        {
+            self.push(block);
+            self.consumed += self.block_bytes;
+        }
+    }
+
+    fn push(&mut self, block: &[u8]) {
+        let hash = match &mut self.chain {
+            Chain::Sha256(prev) => {
+                *prev = Sha256::new().chain_update(*prev).chain_update(block).finalize().into();
+                u64::from_be_bytes(first8(prev))
+            }
+            Chain::Xxh3 { prev, input } => {
                 input.clear();
                 input.extend_from_slice(&prev.to_le_bytes());
                 input.extend_from_slice(block);
-                prev = xxh3_128(&input);
+                *prev = xxh3_128(input);
                 // The high half: XXH3-128's best-mixed bits.
-                hashes.push((prev >> 64) as u64);
-                last_partial = block.len() < block_bytes;
+                (*prev >> 64) as u64
             }
-        }
+        };
+        self.hashes.push(hash);
     }
-    BlockHashes {
-        truncated: hashes.len() < stream.len().div_ceil(block_bytes),
-        hashes,
-        last_partial,
-        stream_bytes: stream.len() as u64,
+
+    /// The hashes of the whole `stream`, its partial tail included.
+    pub fn finish(mut self, stream: &[u8]) -> BlockHashes {
+        self.absorb(stream);
+        let mut last_partial = false;
+        if self.hashes.len() < self.max_blocks
+            && let Some(tail) = stream.get(self.consumed..).filter(|tail| !tail.is_empty())
+        {
+            self.push(tail);
+            last_partial = true;
+        }
+        BlockHashes {
+            truncated: self.hashes.len() < stream.len().div_ceil(self.block_bytes),
+            hashes: self.hashes,
+            last_partial,
+            stream_bytes: stream.len() as u64,
+        }
     }
 }
 

@@ -215,7 +215,7 @@ pub fn hints(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterCon
 /// strips what clients send), else a hash of the credential (never the key
 /// itself), else empty. A client cannot name another tenant: by default its
 /// header is not read (and the filter removes it).
-fn tenant(headers: &impl Headers, config: &FilterConfig) -> String {
+pub(crate) fn tenant(headers: &impl Headers, config: &FilterConfig) -> String {
     if config.trust_tenant_header
         && let Some(tenant) = headers
             .get(&config.tenant_header)

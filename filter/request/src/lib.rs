@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod canonical;
+mod chunked;
 mod config;
 mod hashing;
 mod identity;
@@ -15,8 +16,9 @@ mod scan;
 mod usage;
 
 pub use canonical::{Api, Canonical, CanonicalError, Envelope, Section, canonical_stream};
+pub use chunked::ChunkedRequest;
 pub use config::{ConfigError, DESTINATION_HEADER, FORGED_DESTINATION_HEADER, FilterConfig, IdSource};
-pub use hashing::{BlockHash, BlockHashes, block_hashes, salt};
+pub use hashing::{BlockHash, BlockHashes, ChainHasher, block_hashes, salt};
 pub use identity::{Headers, Hints, Identity, bounded_id, detect_harness, hints, identify};
 use kvmesh_vocab::limits::{MAX_ID_BYTES, MAX_SECTIONS};
 /// Shared with the sidecar and the simulator (defined in `kvmesh-vocab`).
@@ -66,6 +68,22 @@ pub fn understand(
     config: &FilterConfig,
 ) -> Result<Understood, NotUnderstood> {
     let envelope = Envelope::parse(body, truncated)?;
+    understand_envelope(api, headers, &envelope, truncated, config, None, &mut 0)
+}
+
+/// [`understand`] on a body already split into its members, taking what it
+/// can of the work done while the body arrived ([`ChunkedRequest`]);
+/// `kept_ahead` is set to the stream bytes whose hashes it kept.
+fn understand_envelope(
+    api: Api,
+    headers: &impl Headers,
+    envelope: &Envelope<'_>,
+    truncated: bool,
+    config: &FilterConfig,
+    ahead: Option<chunked::Ahead>,
+    kept_ahead: &mut usize,
+) -> Result<Understood, NotUnderstood> {
+    let (cache, ahead_hasher) = ahead.map_or((None, None), |ahead| (Some(ahead.cache), ahead.hasher));
     let model = match envelope.typed::<String>("model") {
         Ok(model) => model.unwrap_or_default(),
         Err(_) if truncated => String::new(),
@@ -75,22 +93,26 @@ pub fn understand(
         return Err(NotUnderstood::ModelTooLong(model.len()));
     }
     let limit = config.max_blocks.saturating_mul(config.block_bytes);
-    let mut canonical = canonical_stream(api, &envelope, limit)?;
+    let (mut canonical, mut kept) = canonical::canonical_stream_reusing(api, envelope, limit, cache)?;
     if truncated && envelope.raw("model").is_none() {
         // The model salts every hash; in a cut body it may come after the cut.
         canonical.stream.clear();
+        kept = 0;
     }
-    let identity = identify(headers, &envelope, config);
-    let hints = hints(headers, &envelope, config);
+    let identity = identify(headers, envelope, config);
+    let hints = hints(headers, envelope, config);
     let cache_salt = envelope.string("cache_salt").unwrap_or_default();
     let seed = salt(&identity.tenant, &model, &cache_salt);
-    let mut hashes = block_hashes(
-        config.hash,
-        &seed,
-        &canonical.stream,
-        config.block_bytes,
-        config.max_blocks,
-    );
+    // The chain hashed ahead counts only if it started from this salt and
+    // every byte it covered is where the final stream has it.
+    let hasher = match ahead_hasher {
+        Some((ahead_seed, hasher)) if ahead_seed == seed && hasher.consumed() <= kept => {
+            *kept_ahead = hasher.consumed();
+            hasher
+        }
+        _ => ChainHasher::new(config.hash, &seed, config.block_bytes, config.max_blocks),
+    };
+    let mut hashes = hasher.finish(&canonical.stream);
     // The stream stops where the block cap stops hashing: reaching that
     // point is the block cap at work, even if no byte was left unhashed.
     hashes.truncated |= canonical.stream.len() >= limit;

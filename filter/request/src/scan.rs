@@ -345,3 +345,362 @@ fn mark_written(stack: &mut [(bool, bool)], out: &mut Vec<u8>) {
         top.1 = true;
     }
 }
+
+/// What a [`Tracker`] has found complete since it was last asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// `members()[n]` is complete.
+    Member(usize),
+    /// Element `element` of tracked array `array` is complete.
+    Element { array: usize, element: usize },
+}
+
+/// An array member whose elements the tracker records as they complete.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TrackedArray {
+    /// The member's key (one of the tracked keys).
+    pub(crate) key: &'static str,
+    /// The array value's span (its end is set when it closes).
+    pub(crate) span: Range<usize>,
+    pub(crate) elements: Vec<Range<usize>>,
+    /// The elements follow `for_each_element`'s grammar up to the close: a
+    /// caller may use `elements` in its place.
+    pub(crate) valid: bool,
+}
+
+/// A resumable [`skip_value`]: the same rules (strings by quote search and
+/// backslash parity, containers by depth alone, scalars to the next
+/// delimiter), applied to bytes that arrive in pieces.
+#[derive(Debug, Clone, Copy)]
+enum Skip {
+    String {
+        open: usize,
+    },
+    Scalar,
+    /// `depth` containers open; complete when it falls back to `floor`.
+    /// `string` is the opening quote of a string being skipped inside.
+    Container {
+        depth: usize,
+        floor: usize,
+        string: Option<usize>,
+    },
+}
+
+impl Skip {
+    /// Starts skipping the value whose first byte is at `pos` (not
+    /// whitespace), `depth` containers deep.
+    fn start(bytes: &[u8], pos: usize, depth: usize) -> Result<(Self, usize)> {
+        match bytes[pos] {
+            b'"' => Ok((Self::String { open: pos }, pos + 1)),
+            b'{' | b'[' => {
+                if depth + 1 > MAX_DEPTH {
+                    return Err(ScanError::TooDeep);
+                }
+                Ok((
+                    Self::Container {
+                        depth: depth + 1,
+                        floor: depth,
+                        string: None,
+                    },
+                    pos + 1,
+                ))
+            }
+            b'}' | b']' | b',' | b':' => Err(ScanError::Unexpected(pos)),
+            _ => Ok((Self::Scalar, pos)),
+        }
+    }
+
+    /// Skips from `*at` towards the end of `bytes`; the end of the value
+    /// once it is complete.
+    fn advance(&mut self, bytes: &[u8], at: &mut usize) -> Result<Option<usize>> {
+        match self {
+            Self::String { open } => Ok(close_string(bytes, *open, at)),
+            Self::Scalar => match bytes[*at..]
+                .iter()
+                .position(|&b| is_ws(b) || matches!(b, b',' | b']' | b'}' | b':' | b'[' | b'{' | b'"'))
+            {
+                Some(n) => {
+                    *at += n;
+                    Ok(Some(*at))
+                }
+                None => {
+                    *at = bytes.len();
+                    Ok(None)
+                }
+            },
+            Self::Container { depth, floor, string } => loop {
+                if let Some(open) = *string {
+                    if close_string(bytes, open, at).is_none() {
+                        return Ok(None);
+                    }
+                    *string = None;
+                }
+                let Some(&b) = bytes.get(*at) else {
+                    return Ok(None);
+                };
+                match b {
+                    b'"' => *string = Some(*at),
+                    b'{' | b'[' => {
+                        *depth += 1;
+                        if *depth > MAX_DEPTH {
+                            return Err(ScanError::TooDeep);
+                        }
+                    }
+                    b'}' | b']' => {
+                        *depth -= 1;
+                        if *depth == *floor {
+                            *at += 1;
+                            return Ok(Some(*at));
+                        }
+                    }
+                    _ => {}
+                }
+                *at += 1;
+            },
+        }
+    }
+}
+
+/// Searches for the quote closing the string opened at `open`, from `*at`;
+/// the offset past it when found (`*at` is then there too).
+fn close_string(bytes: &[u8], open: usize, at: &mut usize) -> Option<usize> {
+    loop {
+        let Some(found) = bytes.get(*at..).and_then(|rest| memchr::memchr(b'"', rest)) else {
+            *at = bytes.len();
+            return None;
+        };
+        *at += found;
+        let backslashes = bytes[open + 1..*at].iter().rev().take_while(|&&b| b == b'\\').count();
+        *at += 1;
+        if backslashes % 2 == 0 {
+            return Some(*at);
+        }
+    }
+}
+
+/// Where a [`Tracker`] is in the top-level object.
+#[derive(Debug, Clone, Copy)]
+enum Top {
+    Open,
+    /// After `{`: a key or `}`.
+    First,
+    Key,
+    /// In a key whose opening quote is at this offset.
+    InKey(usize),
+    Colon,
+    Value,
+    InValue(Skip),
+    /// Inside a tracked array (its index in `arrays`).
+    InArray(usize, Elements),
+    AfterValue,
+    Done,
+    Failed,
+}
+
+/// Where a [`Tracker`] is inside a tracked array.
+#[derive(Debug, Clone, Copy)]
+enum Elements {
+    /// After `[`: an element or `]`.
+    First,
+    Next,
+    In {
+        start: usize,
+        skip: Skip,
+    },
+    After,
+}
+
+/// [`for_each_member`] over a body that arrives in pieces: each call to
+/// `feed` resumes where the last one stopped, so every byte is looked at
+/// once however the body is split. The members of `tracked` keys that are
+/// arrays also have their elements recorded, as [`for_each_element`] would
+/// find them.
+///
+/// Once `done`, `members` are exactly what `for_each_member` finds in the
+/// whole body; before that (or after a failure) the caller scans the body
+/// itself, so every error is the one-shot scanner's.
+#[derive(Debug)]
+pub(crate) struct Tracker {
+    at: usize,
+    top: Top,
+    key: Range<usize>,
+    value_start: usize,
+    tracked: &'static [&'static str],
+    pub(crate) members: Vec<(Range<usize>, Range<usize>)>,
+    pub(crate) arrays: Vec<TrackedArray>,
+    found: Vec<Found>,
+}
+
+impl Tracker {
+    pub(crate) fn new(tracked: &'static [&'static str]) -> Self {
+        Self {
+            at: 0,
+            top: Top::Open,
+            key: 0..0,
+            value_start: 0,
+            tracked,
+            members: Vec::new(),
+            arrays: Vec::new(),
+            found: Vec::new(),
+        }
+    }
+
+    /// The top-level object closed: `members` are final.
+    pub(crate) fn done(&self) -> bool {
+        matches!(self.top, Top::Done)
+    }
+
+    /// What completed since the last call, in body order.
+    pub(crate) fn take_found(&mut self) -> Vec<Found> {
+        std::mem::take(&mut self.found)
+    }
+
+    /// Scans `bytes` (the whole body so far, grown since the last call)
+    /// from where the last call stopped.
+    pub(crate) fn feed(&mut self, bytes: &[u8]) {
+        if let Err(_err) = self.run(bytes) {
+            self.top = Top::Failed;
+        }
+    }
+
+    fn run(&mut self, bytes: &[u8]) -> Result<()> {
+        loop {
+            if !matches!(self.top, Top::InKey(_) | Top::InValue(_) | Top::InArray(..)) {
+                self.at = skip_ws(bytes, self.at);
+            }
+            let Some(&b) = bytes.get(self.at) else {
+                return Ok(());
+            };
+            self.top = match self.top {
+                Top::Done | Top::Failed => return Ok(()),
+                Top::Open if b == b'{' => {
+                    self.at += 1;
+                    Top::First
+                }
+                Top::First if b == b'}' => {
+                    self.at += 1;
+                    Top::Done
+                }
+                Top::First | Top::Key if b == b'"' => {
+                    self.at += 1;
+                    Top::InKey(self.at - 1)
+                }
+                Top::InKey(open) => match close_string(bytes, open, &mut self.at) {
+                    Some(end) => {
+                        self.key = open + 1..end - 1;
+                        Top::Colon
+                    }
+                    None => Top::InKey(open),
+                },
+                Top::Colon if b == b':' => {
+                    self.at += 1;
+                    Top::Value
+                }
+                Top::Value => {
+                    self.value_start = self.at;
+                    let key = &bytes[self.key.clone()];
+                    let tracked = self.tracked.iter().find(|k| k.as_bytes() == key);
+                    if let (b'[', Some(&key)) = (b, tracked) {
+                        self.at += 1;
+                        self.arrays.push(TrackedArray {
+                            key,
+                            span: self.value_start..self.value_start,
+                            ..TrackedArray::default()
+                        });
+                        Top::InArray(self.arrays.len() - 1, Elements::First)
+                    } else {
+                        let (skip, at) = Skip::start(bytes, self.at, 0)?;
+                        self.at = at;
+                        Top::InValue(skip)
+                    }
+                }
+                Top::InValue(mut skip) => match skip.advance(bytes, &mut self.at)? {
+                    Some(end) => self.member(end),
+                    None => Top::InValue(skip),
+                },
+                Top::InArray(array, elements) => self.array(bytes, array, elements)?,
+                Top::AfterValue if b == b',' => {
+                    self.at += 1;
+                    Top::Key
+                }
+                Top::AfterValue if b == b'}' => {
+                    self.at += 1;
+                    Top::Done
+                }
+                _ => return Err(ScanError::Unexpected(self.at)),
+            };
+        }
+    }
+
+    fn member(&mut self, end: usize) -> Top {
+        self.members.push((self.key.clone(), self.value_start..end));
+        self.found.push(Found::Member(self.members.len() - 1));
+        Top::AfterValue
+    }
+
+    /// One step inside a tracked array; on a departure from
+    /// `for_each_element`'s grammar, its elements stop counting and the
+    /// rest of the array is skipped as `skip_value` would.
+    fn array(&mut self, bytes: &[u8], array: usize, elements: Elements) -> Result<Top> {
+        if !matches!(elements, Elements::In { .. }) {
+            self.at = skip_ws(bytes, self.at);
+        }
+        let Some(&b) = bytes.get(self.at) else {
+            return Ok(Top::InArray(array, elements));
+        };
+        let next = match elements {
+            Elements::First if b == b']' => {
+                self.at += 1;
+                return Ok(self.close_array(array, true));
+            }
+            Elements::First | Elements::Next => match Skip::start(bytes, self.at, 1) {
+                Ok((skip, at)) => {
+                    let start = self.at;
+                    self.at = at;
+                    Elements::In { start, skip }
+                }
+                Err(ScanError::TooDeep) => return Err(ScanError::TooDeep),
+                Err(_) => return Ok(self.abandon(array)),
+            },
+            Elements::In { start, mut skip } => match skip.advance(bytes, &mut self.at)? {
+                Some(end) => {
+                    let tracked = &mut self.arrays[array];
+                    tracked.elements.push(start..end);
+                    self.found.push(Found::Element {
+                        array,
+                        element: tracked.elements.len() - 1,
+                    });
+                    Elements::After
+                }
+                None => Elements::In { start, skip },
+            },
+            Elements::After if b == b',' => {
+                self.at += 1;
+                Elements::Next
+            }
+            Elements::After if b == b']' => {
+                self.at += 1;
+                return Ok(self.close_array(array, true));
+            }
+            Elements::After => return Ok(self.abandon(array)),
+        };
+        Ok(Top::InArray(array, next))
+    }
+
+    fn close_array(&mut self, array: usize, valid: bool) -> Top {
+        self.arrays[array].valid = valid;
+        self.arrays[array].span.end = self.at;
+        self.member(self.at)
+    }
+
+    /// The array is skipped on as one value, one container deep.
+    fn abandon(&mut self, array: usize) -> Top {
+        self.arrays[array].valid = false;
+        self.arrays[array].elements.clear();
+        Top::InValue(Skip::Container {
+            depth: 1,
+            floor: 0,
+            string: None,
+        })
+    }
+}

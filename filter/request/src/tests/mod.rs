@@ -1,3 +1,4 @@
+mod chunked;
 mod scan;
 mod understand;
 mod usage;

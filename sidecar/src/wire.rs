@@ -19,6 +19,9 @@ pub fn pick_input(req: &v1::PickRequest, now_ms: u64) -> PickInput<'_> {
         parent_id: &req.parent_id,
         model: &req.model,
         session_final: req.session_final,
+        harness: req.harness(),
+        tenant: &req.tenant,
+        retention_horizon_ms: None,
         truncated: req.truncated,
         now_ms,
     }

@@ -4,7 +4,7 @@
 //! router (the insight ledger, the sidecar's metrics) read a `Decision`,
 //! never the router itself.
 
-use kvmesh_vocab::DEFAULT_BLOCK_BYTES;
+use kvmesh_vocab::{DEFAULT_BLOCK_BYTES, Harness};
 
 use super::cost::Cost;
 use super::fleet::WorkerId;
@@ -67,6 +67,15 @@ pub struct PickInput<'a> {
     pub model: &'a str,
     /// The session ends with this request.
     pub session_final: bool,
+    /// The agent harness that sent it: return gaps are learned per harness
+    /// and tenant.
+    pub harness: Harness,
+    /// The tenant (already a hash when derived from a credential).
+    pub tenant: &'a str,
+    /// How long the client asked for its prefix to be kept after this call
+    /// (Anthropic `cache_control` TTLs): within it the session is worth
+    /// keeping whatever the learned gaps say.
+    pub retention_horizon_ms: Option<u64>,
     /// The hashes and `prompt_bytes` cover only a prefix of the prompt (the
     /// filter's caps): the engine's usage may exceed what they hold.
     pub truncated: bool,

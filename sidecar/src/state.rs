@@ -200,7 +200,7 @@ impl Shared {
                 core.prompt_tokens = None;
                 core.cached_tokens = None;
             }
-            let known = router.report(core);
+            let known = router.report_at(core, now_ms());
             let served = router.worker_id(&outcome.destination);
             (known, core, served)
         };

@@ -388,7 +388,7 @@ pub(crate) fn run_policy(
         "ttft_p99_ms": percentile(&ttft, 0.99),
         "throughput_tok_s": output as f64 / makespan_s.max(1e-9),
         "imbalance": imbalance,
-        "ttft_p99_continuing_ms": percentile(&continuing_ttft, 0.99),
+        "ttft_p99_continuing_ms": if continuing_ttft.is_empty() { serde_json::Value::Null } else { json!(percentile(&continuing_ttft, 0.99)) },
         "long_gap_calls": long_gap_calls,
         "long_gap_hit_rate": if long_gap_prompt == 0 { serde_json::Value::Null } else { json!(long_gap_cached as f64 / long_gap_prompt as f64) },
         "session_affinity": if follow_ups == 0 { serde_json::Value::Null } else { json!(same as f64 / follow_ups as f64) },
@@ -554,7 +554,11 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         println!(
             "| {name} | {} | {} | {} | {} |",
             fig("prefill_tokens", 0, ""),
-            fig("ttft_p99_continuing_ms", 0, " ms"),
+            if r["ttft_p99_continuing_ms"].is_null() {
+                "-".to_owned()
+            } else {
+                fig("ttft_p99_continuing_ms", 0, " ms")
+            },
             fig("long_gap_calls", 0, ""),
             if r["long_gap_hit_rate"].is_null() {
                 "-".to_owned()

@@ -174,9 +174,11 @@ fn new_work_goes_where_it_displaces_a_finished_session() {
         // "back" is worth them in full (nothing learned yet), "done" nothing.
         let eviction = |w: WorkerId| new.costs[w.0].map(|c| c.eviction);
         if retention {
-            assert_eq!(eviction(W0), Some(0.2 * 20.0 * 64.0));
+            assert_eq!(eviction(W0), Some(20.0 * 64.0));
             assert_eq!(eviction(W1), Some(0.0));
             assert_eq!(new.ranked[0], W1, "the finished session's worker");
+            // The record says what the placement gave up: 20 blocks, no reuse.
+            assert_eq!((new.evicted_blocks, new.evicted_value_blocks), (20, 0.0));
         } else {
             assert_eq!(eviction(W0), eviction(W1));
             assert_eq!(new.ranked[0], W0, "a tie, broken by id");

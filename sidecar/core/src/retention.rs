@@ -195,6 +195,9 @@ struct Follow {
     idle_since_ms: u64,
     /// It was counted gone after this much idle time.
     counted_gone_ms: Option<u64>,
+    /// A deadline of its is in the heap: one per session, however many
+    /// calls it makes.
+    armed: bool,
 }
 
 /// The value placing a request's new blocks would push out of a worker.
@@ -359,7 +362,13 @@ impl RetentionValues {
         *total = (*total + blocks).saturating_sub(old_blocks + dropped_blocks);
         self.trim(worker, capacity_blocks);
         if !session_final {
-            let deadline = now_ms.saturating_add(self.gone_after_ms(&class));
+            let armed = previous
+                .as_ref()
+                .is_some_and(|f| f.armed && f.counted_gone_ms.is_none());
+            if !armed {
+                let deadline = now_ms.saturating_add(self.gone_after_ms(&class));
+                self.deadlines.push(Reverse((deadline, session.to_owned())));
+            }
             self.live.insert(
                 session.to_owned(),
                 Follow {
@@ -367,9 +376,9 @@ impl RetentionValues {
                     class,
                     idle_since_ms: now_ms,
                     counted_gone_ms: None,
+                    armed: true,
                 },
             );
-            self.deadlines.push(Reverse((deadline, session.to_owned())));
         }
     }
 
@@ -414,7 +423,7 @@ impl RetentionValues {
             let Some(f) = self.live.get(&session).cloned() else {
                 continue;
             };
-            if f.counted_gone_ms.is_some() {
+            if f.counted_gone_ms.is_some() || !f.armed {
                 continue;
             }
             let idle = now_ms.saturating_sub(f.idle_since_ms);
@@ -423,6 +432,7 @@ impl RetentionValues {
                 self.learn(&f.class, |h| h.observe_gone(idle));
                 if let Some(follow) = self.live.get_mut(&session) {
                     follow.counted_gone_ms = Some(idle);
+                    follow.armed = false;
                 }
             } else {
                 let deadline = f.idle_since_ms.saturating_add(horizon).max(now_ms + 1);
@@ -478,6 +488,11 @@ impl RetentionValues {
             .map(|(_, r)| r.blocks as f64 * self.p_return(r, now_ms))
             .sum();
         (self.resident_blocks.get(worker.0).copied().unwrap_or(0), valued)
+    }
+
+    /// Deadlines waiting in the heap (at most about one per live session).
+    pub fn pending_deadlines(&self) -> usize {
+        self.deadlines.len()
     }
 
     /// The worker was removed or restarted: its residents are gone.

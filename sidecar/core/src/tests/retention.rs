@@ -185,3 +185,17 @@ fn new_work_goes_where_it_displaces_a_finished_session() {
         }
     }
 }
+
+#[test]
+fn one_deadline_per_session_however_many_calls() {
+    let mut r = RetentionValues::new(1000, 30 * 60_000);
+    for call in 0..5_000u64 {
+        r.on_pick("busy", class(), W0, 1, None, false, 1_000_000, call * 100);
+    }
+    r.on_pick("other", class(), W1, 1, None, false, 1_000_000, 500_000);
+    assert_eq!(r.pending_deadlines(), 2);
+    // Gone, then back: one again.
+    r.on_pick("probe", class(), W1, 1, None, false, 1_000_000, 10_000_000);
+    r.on_pick("busy", class(), W0, 1, None, false, 1_000_000, 10_000_001);
+    assert!(r.pending_deadlines() <= 3, "{}", r.pending_deadlines());
+}

@@ -152,7 +152,8 @@ pub(crate) enum Overlaps {
     /// Its own prefix index, as the sidecar runs it (`kvmesh`).
     Index,
     /// The engines' true caches (`kvmesh_oracle`): the same router fed
-    /// exact overlaps through `Router::pick_with_overlaps`, the hook a
+    /// exact overlaps, host-tier blocks apart, through
+    /// `Router::pick_with_tier_overlaps`, the hook a
     /// precise mode would use. The gap between the two is what the index's
     /// approximation costs.
     Oracle,
@@ -182,10 +183,15 @@ impl Policy for Kvmesh {
         let d = match self.overlaps {
             Overlaps::Index => self.router.pick(input),
             Overlaps::Oracle => {
-                let overlaps: Vec<(kvmesh_core::WorkerId, usize)> = (0..view.workers())
-                    .map(|w| (kvmesh_core::WorkerId(w), view.true_cached_blocks(w, r)))
+                // Each engine's true cache, tier by tier: the oracle prices a
+                // host hit as the router does (`host_hit_credit`).
+                let overlaps: Vec<(kvmesh_core::WorkerId, usize, usize)> = (0..view.workers())
+                    .map(|w| {
+                        let (blocks, host) = view.true_cached_tier_blocks(w, r);
+                        (kvmesh_core::WorkerId(w), blocks, host)
+                    })
                     .collect();
-                self.router.pick_with_overlaps(input, &overlaps)
+                self.router.pick_with_tier_overlaps(input, &overlaps)
             }
         };
         self.picks.insert(r.index, d.pick_id);

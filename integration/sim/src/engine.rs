@@ -185,6 +185,21 @@ impl Engine {
         (hits * BLOCK_TOKENS, host * BLOCK_TOKENS)
     }
 
+    /// Cached leading tokens of `prompt` on the GPU alone (what a router
+    /// fed only the GPU tier's events would see).
+    pub fn peek_gpu_cached_tokens(&self, prompt: &[u8]) -> u64 {
+        let mut chain = [0u8; 32];
+        let mut hits = 0;
+        for block in prompt.chunks_exact(BLOCK_BYTES) {
+            chain = Sha256::new().chain_update(chain).chain_update(block).finalize().into();
+            if !self.cache.contains(&chain) {
+                break;
+            }
+            hits += 1;
+        }
+        hits * BLOCK_TOKENS
+    }
+
     /// Blocks in the host tier now, and its capacity in blocks.
     pub fn host_blocks(&self) -> (u64, u64) {
         self.host

@@ -206,6 +206,9 @@ pub(crate) fn run_policy(
         bail!("unknown policy {name:?}; known: {}", policies::ALL.join(", "));
     };
     let mut world = World::tiered(fleet.workers, fleet.capacity_tokens, fleet.host_tier_blocks, timing);
+    if fleet.host_tier_blocks > 0 {
+        policy.host_tier(fleet.host_tier_blocks.saturating_mul(16));
+    }
     let mut insights = Insights::new(InsightConfig::default());
     let mut last_blocks: HashMap<u64, usize> = HashMap::new();
     let mut pending: BinaryHeap<Completion> = BinaryHeap::new();

@@ -25,6 +25,10 @@ pub(crate) trait Policy {
     fn pick(&mut self, request: &Prepared, view: &View<'_>) -> usize;
     /// The request finished at `view.now` on `worker` (outcome feedback).
     fn completed(&mut self, _worker: usize, _request: &Prepared, _cached_tokens: u64, _ttft_ms: f64) {}
+    /// Each engine has a host tier of `tokens` (told before the first pick,
+    /// as KV events with medium CPU would tell kvmesh's sidecar that a tier
+    /// exists). Only kvmesh's index listens; the peers' ports have no tier.
+    fn host_tier(&mut self, _tokens: u64) {}
 }
 
 pub(crate) const ALL: [&str; 11] = [
@@ -198,6 +202,18 @@ impl Policy for Kvmesh {
         d.ranked.first().map_or(0, |w| w.0)
     }
 
+    fn host_tier(&mut self, tokens: u64) {
+        // The index counts in kvmesh blocks: the filter's block of the
+        // canonical stream (256 bytes) at the engine model's 4 bytes per
+        // token, 64 tokens.
+        let block_bytes = kvmesh_request::FilterConfig::default().block_bytes.max(1) as u64;
+        let blocks = tokens.saturating_mul(kvmesh_sim::engine::BYTES_PER_TOKEN) / block_bytes;
+        for w in 0..self.router.workers().len() {
+            self.router
+                .set_host_capacity_blocks(kvmesh_core::WorkerId(w), usize::try_from(blocks).unwrap_or(usize::MAX));
+        }
+    }
+
     fn completed(&mut self, _worker: usize, r: &Prepared, cached_tokens: u64, ttft_ms: f64) {
         if let Some(pick_id) = self.picks.remove(&r.index) {
             self.router.report(Outcome {
@@ -232,6 +248,7 @@ fn kvmesh_config(overrides: &str, prefill_rate: f64) -> Option<RouterConfig> {
             "tie_tolerance" => &mut c.tie_tolerance,
             "move_margin" => &mut c.move_margin,
             "recent_prefill_weight" => &mut c.recent_prefill_weight,
+            "host_hit_credit" => &mut c.host_hit_credit,
             _ => return None,
         };
         *field = value;

@@ -198,6 +198,14 @@ impl View<'_> {
         self.workers[w].engine.peek_cached_tokens(prompt)
     }
 
+    /// The engine's true cache on its GPU alone: what the peers fed KV
+    /// events (`dynamo*`, `llm_d_precise`) see, their ports having no host
+    /// tier (Dynamo's own router weighs host blocks at 0.75; its port does
+    /// not yet), so a host tier leaves their view as it was without one.
+    pub(crate) fn true_gpu_cached_tokens(&self, w: usize, prompt: &[u8]) -> u64 {
+        self.workers[w].engine.peek_gpu_cached_tokens(prompt)
+    }
+
     /// The engine's true cache for `r`, in kvmesh's blocks of `r`'s stream
     /// (the engine counts `BYTES_PER_TOKEN` bytes per token): the overlap
     /// kvmesh's index estimates, as the engine knows it.

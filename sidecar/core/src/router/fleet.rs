@@ -307,6 +307,15 @@ impl Router {
         self.convert_engine_capacity(id);
     }
 
+    /// Gives worker `id` a host tier of `blocks` kvmesh blocks (0: none):
+    /// blocks its index evicts for capacity move there, priced at
+    /// `host_hit_credit`. The sidecar learns a host tier from KV events
+    /// instead (`engine_events`); this is for a tier of known size (the
+    /// simulator's, or an operator's figure).
+    pub fn set_host_capacity_blocks(&mut self, id: WorkerId, blocks: usize) -> usize {
+        self.index.set_host_capacity(id, blocks)
+    }
+
     /// Engine tokens per kvmesh block on worker `id`.
     pub(super) fn tokens_per_block(&self, id: WorkerId) -> f64 {
         let Some(worker) = self.workers.get(id.0) else {

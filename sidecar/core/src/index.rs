@@ -46,6 +46,9 @@ struct Node {
     worker_tier: u32,
 }
 
+// The tier bit lives in `worker_tier`: a node is still 28 bytes.
+const _: () = assert!(size_of::<Node>() == 28);
+
 /// The node is in its worker's host list: the engine holds the block in
 /// host memory only, and a hit must load it back to the GPU first.
 const HOST_ONLY: u32 = 1 << 31;

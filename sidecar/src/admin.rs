@@ -257,6 +257,9 @@ async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
                 "engine_kv_usage": w.engine_kv_usage,
                 "engine_resident_blocks": w.engine_resident_blocks,
                 "engine_block_tokens": w.engine_block_tokens,
+                "host_blocks": w.host_blocks,
+                "host_capacity_blocks": w.host_capacity_blocks,
+                "engine_host_only_blocks": w.engine_host_only_blocks,
             })
         })
         .collect();

@@ -35,14 +35,23 @@ pub const MAX_TOPIC_BYTES: usize = 256;
 /// block, more than any one engine's GPU holds.
 pub const MAX_TRACKED_BLOCKS: usize = 4 << 20;
 
-/// Where a block lives. vLLM says "GPU" even on its CPU backend (the
-/// primary cache); offloading tiers say "CPU" or "STORAGE".
+/// Where a block lives: vLLM's `medium` (`vllm/distributed/kv_events.py`:
+/// `MEDIUM_GPU = "GPU"`, `MEDIUM_CPU = "CPU"`, `MEDIUM_STORAGE = "STORAGE"`,
+/// the field `medium: str | None` of `BlockStored` and `BlockRemoved`; the
+/// offloading connector's `offloading/events.py` sends CPU and STORAGE).
+/// vLLM says "GPU" even on its CPU backend: that is its primary cache.
+/// Names are matched without case and read bounded (64 bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Medium {
-    /// The engine's own cache (also when the medium is left out).
+    /// The engine's own cache: "GPU", and a medium left out or null.
     Primary,
-    /// An offloaded tier (CPU memory, storage, anything else named).
-    Offloaded,
+    /// Host memory the engine offloads to ("CPU": vLLM's
+    /// `--kv-offloading-size`, SGLang's HiCache host pool).
+    Host,
+    /// Any other tier ("STORAGE", a name this version does not know):
+    /// ignored, because a hit there is priced by neither kvmesh's index nor
+    /// its cost, and counting it as either tier above would overstate it.
+    Other,
 }
 
 /// One event.
@@ -305,8 +314,10 @@ impl<'de> serde::Deserialize<'de> for EventOrUnknown {
 
 fn medium(name: Option<ShortString>) -> Medium {
     match name.as_ref().map(|n| n.0.as_str()) {
-        None | Some("GPU") => Medium::Primary,
-        Some(_) => Medium::Offloaded,
+        None => Medium::Primary,
+        Some(n) if n.eq_ignore_ascii_case("GPU") => Medium::Primary,
+        Some(n) if n.eq_ignore_ascii_case("CPU") => Medium::Host,
+        Some(_) => Medium::Other,
     }
 }
 
@@ -458,6 +469,15 @@ pub struct Applied {
     pub removed_blocks: u64,
     /// The engine's tokens per block, from the latest store seen.
     pub block_tokens: Option<u32>,
+    /// The engine has a host tier: an event with medium CPU came, in this
+    /// batch or before.
+    pub host_tier: bool,
+    /// Of `removed_blocks`, the ones with a host copy: off the GPU, still
+    /// in host memory.
+    pub removed_to_host_blocks: u64,
+    /// Host copies removed while the GPU held no copy: host-only blocks
+    /// gone (a removal of a block never seen stored counts too).
+    pub host_only_removed_blocks: u64,
 }
 
 /// A break in the sequence.
@@ -476,6 +496,11 @@ pub enum Gap {
 pub struct EngineCache {
     next_seq: Option<u64>,
     resident: HashSet<u64>,
+    /// Blocks with a host copy (on the GPU too or not), and how many of
+    /// them the GPU does not hold.
+    host: HashSet<u64>,
+    host_only: u64,
+    host_tier: bool,
     /// No message was lost since the set was last known empty (a clear, or
     /// the publisher's first message).
     exact: bool,
@@ -503,6 +528,23 @@ impl EngineCache {
         self.block_tokens
     }
 
+    /// Blocks resident in host memory only, as far as the events say
+    /// (exact when `exact` is).
+    pub fn host_only_blocks(&self) -> u64 {
+        self.host_only
+    }
+
+    /// Blocks with a host copy, on the GPU too or not.
+    pub fn host_blocks(&self) -> u64 {
+        self.host.len() as u64
+    }
+
+    fn forget(&mut self) {
+        self.resident.clear();
+        self.host.clear();
+        self.host_only = 0;
+    }
+
     /// Applies one batch in order.
     pub fn apply(&mut self, batch: &Batch) -> Applied {
         let mut applied = Applied::default();
@@ -517,12 +559,12 @@ impl EngineCache {
                 // until the blocks resident at the gap are evicted (their
                 // removals are then of unknown hashes), never overcounts
                 // forever as a set kept across the gap would.
-                self.resident.clear();
+                self.forget();
                 self.exact = false;
             }
             Some(_) => {
                 applied.gap = Some(Gap::Restarted);
-                self.resident.clear();
+                self.forget();
                 self.exact = batch.seq == 0;
             }
             // The first message: exact only if it is the publisher's first
@@ -533,11 +575,16 @@ impl EngineCache {
         for event in &batch.events {
             match event {
                 Event::AllBlocksCleared => {
-                    self.resident.clear();
+                    // The router wipes the worker on both tiers (as on a
+                    // restart), so the host set goes too: what the host
+                    // tier still holds is learned again from its events.
+                    self.forget();
                     self.exact = true;
                     applied.cleared = true;
                     applied.stored_blocks = 0;
                     applied.removed_blocks = 0;
+                    applied.removed_to_host_blocks = 0;
+                    applied.host_only_removed_blocks = 0;
                 }
                 Event::BlockStored {
                     hashes,
@@ -552,6 +599,9 @@ impl EngineCache {
                     for hash in hashes {
                         if self.resident.len() < MAX_TRACKED_BLOCKS && self.resident.insert(*hash) {
                             applied.stored_blocks += 1;
+                            if self.host.contains(hash) {
+                                self.host_only = self.host_only.saturating_sub(1);
+                            }
                         }
                     }
                 }
@@ -560,8 +610,41 @@ impl EngineCache {
                     medium: Medium::Primary,
                 } => {
                     for hash in hashes {
-                        self.resident.remove(hash);
+                        if self.resident.remove(hash) && self.host.contains(hash) {
+                            applied.removed_to_host_blocks += 1;
+                            self.host_only += 1;
+                        }
                         applied.removed_blocks += 1;
+                    }
+                }
+                Event::BlockStored {
+                    hashes,
+                    medium: Medium::Host,
+                    ..
+                } => {
+                    self.host_tier = true;
+                    for hash in hashes {
+                        if self.host.len() < MAX_TRACKED_BLOCKS
+                            && self.host.insert(*hash)
+                            && !self.resident.contains(hash)
+                        {
+                            self.host_only += 1;
+                        }
+                    }
+                }
+                Event::BlockRemoved {
+                    hashes,
+                    medium: Medium::Host,
+                } => {
+                    self.host_tier = true;
+                    for hash in hashes {
+                        let known = self.host.remove(hash);
+                        if !self.resident.contains(hash) {
+                            if known {
+                                self.host_only = self.host_only.saturating_sub(1);
+                            }
+                            applied.host_only_removed_blocks += 1;
+                        }
                     }
                 }
                 Event::BlockStored { .. } | Event::BlockRemoved { .. } => {}
@@ -570,6 +653,7 @@ impl EngineCache {
         if applied.block_tokens.is_none() {
             applied.block_tokens = self.block_tokens;
         }
+        applied.host_tier = self.host_tier;
         applied
     }
 }

@@ -86,6 +86,10 @@ async fn read(shared: Shared, worker: String, mut socket: SubSocket) {
             engine_block_tokens: applied.block_tokens.unwrap_or(0),
             cleared: applied.cleared || applied.gap == Some(Gap::Restarted),
             resident_blocks: cache.exact().then(|| cache.resident_blocks()),
+            host_tier: applied.host_tier,
+            removed_to_host_blocks: applied.removed_to_host_blocks,
+            host_only_removed_blocks: applied.host_only_removed_blocks,
+            host_only_blocks: (applied.host_tier && cache.exact()).then(|| cache.host_only_blocks()),
         };
         let effect = {
             let mut router = shared.router();

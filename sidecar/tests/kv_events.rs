@@ -141,7 +141,7 @@ fn the_older_positional_events_bytes_hashes_and_offloaded_media_decode() {
             },
             Event::BlockRemoved {
                 hashes: vec![7],
-                medium: Medium::Offloaded
+                medium: Medium::Host
             },
             Event::AllBlocksCleared,
         ])
@@ -216,4 +216,120 @@ fn hostile_messages_are_refused_not_panicked_on() {
     for end in 0..real[2].len() {
         let _ = decode(&[&real[0], &real[1], &real[2][..end]]);
     }
+}
+
+/// One event as vLLM's msgspec sends it today: a map tagged by `type`.
+#[derive(serde::Serialize)]
+struct MapEvent {
+    r#type: &'static str,
+    block_hashes: Vec<u64>,
+    medium: Option<&'static str>,
+}
+
+fn map_batch(seq: u64, events: Vec<MapEvent>) -> Batch {
+    let payload = rmp_serde::to_vec_named(&(1.5f64, events)).unwrap_or_default();
+    match decode(&[b"kv", &seq.to_be_bytes(), &payload]) {
+        Ok(batch) => batch,
+        Err(err) => panic!("does not decode: {err}"),
+    }
+}
+
+fn stored(hashes: &[u64], medium: Option<&'static str>) -> MapEvent {
+    MapEvent {
+        r#type: "BlockStored",
+        block_hashes: hashes.to_vec(),
+        medium,
+    }
+}
+
+fn removed(hashes: &[u64], medium: Option<&'static str>) -> MapEvent {
+    MapEvent {
+        r#type: "BlockRemoved",
+        block_hashes: hashes.to_vec(),
+        medium,
+    }
+}
+
+#[test]
+fn the_medium_names_the_tier_gpu_host_or_other() {
+    // vLLM's names (vllm/distributed/kv_events.py: MEDIUM_GPU, MEDIUM_CPU,
+    // MEDIUM_STORAGE), any case; none means the primary cache; anything
+    // else is a tier kvmesh does not price.
+    let b = map_batch(
+        0,
+        vec![
+            removed(&[1], Some("GPU")),
+            removed(&[2], Some("CPU")),
+            removed(&[3], Some("cpu")),
+            removed(&[4], Some("STORAGE")),
+            removed(&[5], None),
+            removed(&[6], Some("NVMe-over-fabric")),
+        ],
+    );
+    let media: Vec<Medium> = b
+        .events
+        .iter()
+        .map(|e| match e {
+            Event::BlockRemoved { medium, .. } => *medium,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    use Medium::*;
+    assert_eq!(media, vec![Primary, Host, Host, Other, Primary, Other]);
+    // A medium name over 64 bytes is refused, not kept.
+    let long: &'static str = Box::leak("C".repeat(65).into_boxed_str());
+    let payload = rmp_serde::to_vec_named(&(1.5f64, vec![removed(&[1], Some(long))])).unwrap_or_default();
+    assert!(decode(&[b"kv", &0u64.to_be_bytes(), &payload]).is_err());
+}
+
+#[test]
+fn host_copies_are_followed_apart_from_the_gpu_ones() {
+    let mut cache = EngineCache::new();
+    // Blocks 1, 2, 3 on the GPU; the engine offloads copies of 1 and 2.
+    let a = cache.apply(&map_batch(
+        0,
+        vec![stored(&[1, 2, 3], Some("GPU")), stored(&[1, 2], Some("CPU"))],
+    ));
+    assert!(a.host_tier);
+    assert_eq!(
+        (cache.resident_blocks(), cache.host_blocks(), cache.host_only_blocks()),
+        (3, 2, 0)
+    );
+    // The GPU evicts 1 and 3: 1 keeps its host copy, 3 is gone.
+    let a = cache.apply(&map_batch(1, vec![removed(&[1, 3], Some("GPU"))]));
+    assert_eq!((a.removed_blocks, a.removed_to_host_blocks), (2, 1));
+    assert_eq!((cache.resident_blocks(), cache.host_only_blocks()), (1, 1));
+    // Removing 2's host copy leaves its GPU one: no host-only block went.
+    let a = cache.apply(&map_batch(2, vec![removed(&[2], Some("CPU"))]));
+    assert_eq!((a.removed_blocks, a.host_only_removed_blocks), (0, 0));
+    assert_eq!((cache.resident_blocks(), cache.host_only_blocks()), (1, 1));
+    // Removing 1's host copy removes the block: it was on the host only.
+    let a = cache.apply(&map_batch(3, vec![removed(&[1], Some("CPU"))]));
+    assert_eq!(a.host_only_removed_blocks, 1);
+    assert_eq!(cache.host_only_blocks(), 0);
+    // A block stored on the host, then on the GPU, is not host-only; storage
+    // events change nothing.
+    cache.apply(&map_batch(
+        4,
+        vec![stored(&[7], Some("CPU")), stored(&[7], Some("GPU"))],
+    ));
+    cache.apply(&map_batch(
+        5,
+        vec![stored(&[8], Some("STORAGE")), removed(&[2], Some("STORAGE"))],
+    ));
+    assert_eq!(
+        (cache.resident_blocks(), cache.host_blocks(), cache.host_only_blocks()),
+        (2, 1, 0)
+    );
+    // A clear forgets both tiers.
+    let a = cache.apply(&map_batch(
+        6,
+        vec![MapEvent {
+            r#type: "AllBlocksCleared",
+            block_hashes: Vec::new(),
+            medium: None,
+        }],
+    ));
+    assert!(a.cleared && a.host_tier);
+    assert_eq!((cache.resident_blocks(), cache.host_blocks()), (0, 0));
 }

@@ -5,6 +5,15 @@
 //! approximated as 4 bytes each. A prompt is looked up when its prefill
 //! starts (`begin_prefill`) and its blocks enter the cache as the prefill
 //! computes them (`cache_computed`), as in vLLM, not when it arrives.
+//!
+//! An optional host tier (`host_capacity_blocks`) stands for KV offloaded
+//! to host memory (vLLM's `--kv-offloading-size`, SGLang's HiCache): a block
+//! the GPU cache evicts moves there, newest first, in its own LRU, instead of
+//! disappearing; a prefix hit there is loaded back to the GPU (and leaves
+//! the host tier) rather than recomputed, and counts as cached, as vLLM
+//! reports it. The tier is exclusive: vLLM's native offloading writes every
+//! computed block through to the CPU, so its host tier holds copies of GPU
+//! blocks too and adds less capacity than this one of the same size.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -17,9 +26,11 @@ const BLOCK_TOKENS: u64 = 16;
 pub const BYTES_PER_TOKEN: u64 = 4;
 const BLOCK_BYTES: usize = (BLOCK_TOKENS * BYTES_PER_TOKEN) as usize;
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct EngineConfig {
     pub capacity_tokens: u64,
+    /// Blocks (16 tokens each) the host tier holds; 0: no host tier.
+    pub host_capacity_blocks: u64,
 }
 
 /// One admitted request, as the engine accounted it.
@@ -27,7 +38,10 @@ pub struct EngineConfig {
 pub struct Served {
     pub request_id: u64,
     pub prompt_tokens: u64,
+    /// Cached prompt tokens, those loaded from the host tier included.
     pub cached_tokens: u64,
+    /// Of `cached_tokens`, those loaded back from the host tier.
+    pub host_loaded_tokens: u64,
 }
 
 impl Served {
@@ -60,6 +74,8 @@ const SGLANG_PAGE_SIZE: u64 = BLOCK_TOKENS;
 pub struct Engine {
     cache: Lru<[u8; 32]>,
     capacity_blocks: u64,
+    /// The host tier: blocks the GPU cache evicted (`None`: no host tier).
+    host: Option<Lru<[u8; 32]>>,
     running: u64,
     /// KV tokens the running requests attend: what a decode step reads
     /// besides the weights.
@@ -79,9 +95,12 @@ pub struct Engine {
 impl Engine {
     pub fn new(config: EngineConfig) -> Self {
         let capacity_blocks = (config.capacity_tokens / BLOCK_TOKENS).max(1);
+        let host = (config.host_capacity_blocks > 0)
+            .then(|| Lru::new(usize::try_from(config.host_capacity_blocks).unwrap_or(usize::MAX)));
         Self {
             cache: Lru::new(usize::try_from(capacity_blocks).unwrap_or(usize::MAX)),
             capacity_blocks,
+            host,
             running: 0,
             attended_kv_tokens: 0,
             waiting: 0,
@@ -99,6 +118,9 @@ impl Engine {
     /// `running` is kept for them to release.
     pub fn restart(&mut self) {
         self.cache.clear();
+        if let Some(host) = self.host.as_mut() {
+            host.clear();
+        }
         self.prefix_queries_tokens = 0;
         self.prefix_hits_tokens = 0;
         self.prompt_tokens = 0;
@@ -111,6 +133,27 @@ impl Engine {
     /// SGLang's `/flush_cache`): the cache empties and the counters go on.
     pub fn reset_cache(&mut self) {
         self.cache.clear();
+        if let Some(host) = self.host.as_mut() {
+            host.clear();
+        }
+    }
+
+    /// Whether the host tier holds `block`.
+    fn on_host(&self, block: &[u8; 32]) -> bool {
+        self.host.as_ref().is_some_and(|h| h.contains(block))
+    }
+
+    /// Puts `block` in the GPU cache as its newest entry; with a host tier,
+    /// the entry it evicts moves there instead of disappearing.
+    fn store(&mut self, block: [u8; 32]) {
+        if let Some(host) = self.host.as_mut()
+            && !self.cache.contains(&block)
+            && self.cache.len() >= self.cache.capacity()
+            && let Some(evicted) = self.cache.pop_oldest()
+        {
+            host.touch(evicted);
+        }
+        self.cache.touch(block);
     }
 
     pub fn process_start_time(&self) -> f64 {
@@ -120,6 +163,31 @@ impl Engine {
     /// Cached leading tokens of `prompt`, without touching the cache (what a
     /// router that sees the engine's true cache would see).
     pub fn peek_cached_tokens(&self, prompt: &[u8]) -> u64 {
+        self.peek_cached_tiers(prompt).0
+    }
+
+    /// `peek_cached_tokens`, and how many of those tokens are in the host
+    /// tier only (a prefix runs on across tiers, as the engine reuses it).
+    pub fn peek_cached_tiers(&self, prompt: &[u8]) -> (u64, u64) {
+        let mut chain = [0u8; 32];
+        let (mut hits, mut host) = (0, 0);
+        for block in prompt.chunks_exact(BLOCK_BYTES) {
+            chain = Sha256::new().chain_update(chain).chain_update(block).finalize().into();
+            if self.cache.contains(&chain) {
+                hits += 1;
+            } else if self.on_host(&chain) {
+                hits += 1;
+                host += 1;
+            } else {
+                break;
+            }
+        }
+        (hits * BLOCK_TOKENS, host * BLOCK_TOKENS)
+    }
+
+    /// Cached leading tokens of `prompt` on the GPU alone (what a router
+    /// fed only the GPU tier's events would see).
+    pub fn peek_gpu_cached_tokens(&self, prompt: &[u8]) -> u64 {
         let mut chain = [0u8; 32];
         let mut hits = 0;
         for block in prompt.chunks_exact(BLOCK_BYTES) {
@@ -130,6 +198,13 @@ impl Engine {
             hits += 1;
         }
         hits * BLOCK_TOKENS
+    }
+
+    /// Blocks in the host tier now, and its capacity in blocks.
+    pub fn host_blocks(&self) -> (u64, u64) {
+        self.host
+            .as_ref()
+            .map_or((0, 0), |h| (h.len() as u64, h.capacity() as u64))
     }
 
     /// Blocks cached now, and the capacity in blocks.
@@ -160,11 +235,36 @@ impl Engine {
             })
             .collect();
         // Look every block up first, then touch: touching as it goes could
-        // evict a later block of this very prompt before its lookup.
-        let hits = blocks.iter().take_while(|b| self.cache.contains(b)).count();
+        // evict a later block of this very prompt before its lookup. The
+        // GPU hits are touched first, so loading the host hits back (each
+        // may push the GPU's oldest block out) does not evict them.
+        let hits = blocks
+            .iter()
+            .take_while(|b| self.cache.contains(b) || self.on_host(b))
+            .count();
+        let mut loaded = Vec::new();
         for block in blocks[..hits].iter().rev() {
-            self.cache.touch(*block);
+            if self.cache.contains(block) {
+                self.cache.touch(*block);
+            } else {
+                loaded.push(*block);
+            }
         }
+        for block in &loaded {
+            if let Some(host) = self.host.as_mut() {
+                host.remove(block);
+            }
+            self.store(*block);
+        }
+        if !loaded.is_empty() {
+            // The prompt's first block ends newest again, as without loads.
+            for block in blocks[..hits].iter().rev() {
+                if self.cache.contains(block) {
+                    self.cache.touch(*block);
+                }
+            }
+        }
+        let host_loaded_tokens = loaded.len() as u64 * BLOCK_TOKENS;
         self.requests += 1;
         self.running += 1;
         let cached_tokens = hits as u64 * BLOCK_TOKENS;
@@ -176,6 +276,7 @@ impl Engine {
                 request_id: self.requests,
                 prompt_tokens,
                 cached_tokens,
+                host_loaded_tokens,
             },
             blocks,
             cached_blocks: hits,
@@ -199,12 +300,12 @@ impl Engine {
         let fresh = prefill.cached_blocks..upto;
         prefill.cached_blocks = upto;
         if prefill.done() {
-            for block in prefill.blocks.iter().rev() {
-                self.cache.touch(*block);
+            for i in (0..prefill.blocks.len()).rev() {
+                self.store(prefill.blocks[i]);
             }
         } else {
-            for block in prefill.blocks[fresh].iter().rev() {
-                self.cache.touch(*block);
+            for i in fresh.rev() {
+                self.store(prefill.blocks[i]);
             }
         }
     }
@@ -318,7 +419,10 @@ mod tests {
     #[test]
     fn prefix_hits_and_lru_eviction_by_hand() {
         // Room for 4 blocks of 16 tokens.
-        let mut engine = Engine::new(EngineConfig { capacity_tokens: 64 });
+        let mut engine = Engine::new(EngineConfig {
+            capacity_tokens: 64,
+            ..EngineConfig::default()
+        });
         let a = prompt(1, 2);
         let b = prompt(100, 3);
         assert_eq!(engine.admit(&a).cached_tokens, 0);
@@ -339,8 +443,50 @@ mod tests {
     }
 
     #[test]
+    fn gpu_evictions_go_to_the_host_tier_and_come_back_as_hits() {
+        // Room for 4 blocks on the GPU and 3 in host memory.
+        let mut engine = Engine::new(EngineConfig {
+            capacity_tokens: 64,
+            host_capacity_blocks: 3,
+        });
+        let a = prompt(1, 3);
+        let b = prompt(100, 3);
+        engine.admit(&a);
+        // B's 3 blocks push A's two oldest (its tail: A2, then A1) to the host.
+        engine.admit(&b);
+        assert_eq!(engine.cache_blocks().0, 4);
+        assert_eq!(engine.host_blocks(), (2, 3));
+        assert_eq!(engine.peek_cached_tiers(&a), (48, 32));
+        // A again: all 3 blocks hit, 2 of them loaded back from the host
+        // (pushing B's two oldest there in turn); nothing is recomputed.
+        let served = engine.admit(&a);
+        assert_eq!((served.cached_tokens, served.host_loaded_tokens), (48, 32));
+        assert_eq!(engine.peek_cached_tiers(&a), (48, 0));
+        assert_eq!(engine.peek_cached_tiers(&b), (48, 32));
+        // The host tier is an LRU of its own: a fourth block there evicts
+        // its oldest, which is then gone from both tiers.
+        let c = prompt(200, 3);
+        engine.admit(&c);
+        assert_eq!(engine.host_blocks(), (3, 3));
+        let (total, host) = engine.peek_cached_tiers(&b);
+        assert!(total < 48 && host == total, "{total} {host}");
+        // Without a host tier, the same eviction forgets.
+        let mut plain = Engine::new(EngineConfig {
+            capacity_tokens: 64,
+            ..EngineConfig::default()
+        });
+        plain.admit(&a);
+        plain.admit(&b);
+        assert_eq!(plain.peek_cached_tiers(&a), (16, 0));
+        assert_eq!(plain.host_blocks(), (0, 0));
+    }
+
+    #[test]
     fn blocks_enter_the_cache_as_the_prefill_computes_them() {
-        let mut engine = Engine::new(EngineConfig { capacity_tokens: 1600 });
+        let mut engine = Engine::new(EngineConfig {
+            capacity_tokens: 1600,
+            ..EngineConfig::default()
+        });
         let a = prompt(1, 5);
         let mut prefill = engine.begin_prefill(&a);
         assert_eq!(prefill.served.cached_tokens, 0);
@@ -367,7 +513,10 @@ mod tests {
 
     #[test]
     fn attended_kv_follows_the_decoding_requests() {
-        let mut engine = Engine::new(EngineConfig { capacity_tokens: 1600 });
+        let mut engine = Engine::new(EngineConfig {
+            capacity_tokens: 1600,
+            ..EngineConfig::default()
+        });
         engine.attend(1000);
         engine.attend(500);
         engine.attend(1);
@@ -378,7 +527,10 @@ mod tests {
 
     #[test]
     fn metrics_and_usage_agree_with_what_it_did() {
-        let mut engine = Engine::new(EngineConfig { capacity_tokens: 1600 });
+        let mut engine = Engine::new(EngineConfig {
+            capacity_tokens: 1600,
+            ..EngineConfig::default()
+        });
         let a = prompt(1, 10);
         let served = [engine.admit(&a), engine.admit(&a), engine.admit(&prompt(200, 5))];
         let prompt_total: u64 = served.iter().map(|s| s.prompt_tokens).sum();

@@ -130,6 +130,7 @@ async fn main() -> anyhow::Result<()> {
     let name: Arc<str> = args.name.clone().unwrap_or_else(|| addr.to_string()).into();
     let engine = Engine::new(EngineConfig {
         capacity_tokens: args.capacity_tokens,
+        ..EngineConfig::default()
     });
     let timing = TimingModel {
         prefill_tokens_per_ms: args.prefill_tokens_per_ms,
@@ -137,6 +138,7 @@ async fn main() -> anyhow::Result<()> {
         kv_bytes_per_token: args.kv_bytes_per_token,
         memory_bytes_per_ms: args.memory_tb_per_s * 1e12 / 1e3,
         first_token_overhead_ms: args.first_token_ms,
+        host_load_tokens_per_ms: TimingModel::default().host_load_tokens_per_ms,
         time_scale: args.time_scale,
     };
     let app = App {

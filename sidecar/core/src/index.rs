@@ -9,6 +9,15 @@
 //! hash is read from the node itself) finds a block's first holder and is
 //! the only other per-block cost. Lookups walk the request's blocks once,
 //! not once per worker.
+//!
+//! A worker whose engine offloads KV to host memory (vLLM's
+//! `--kv-offloading-size`, SGLang's HiCache) has a second list: blocks
+//! evicted from its GPU list move there (newest first) instead of being
+//! forgotten, while the host tier has room. Which list a node is in is one
+//! bit of its `worker` field, so a tier costs no byte per entry. A block
+//! on GPU that also has a host copy is a GPU block here: the GPU hit is what
+//! the cost sees, and the copy matters only once the GPU one goes, which is
+//! when it moves to the host list.
 
 use hashbrown::HashTable;
 
@@ -32,8 +41,18 @@ struct Node {
     /// instead of probing the hash table for every block (stale links are
     /// caught by checking the hash and worker of the target).
     successor: u32,
-    worker: u32,
+    /// The worker in the low 31 bits, [`HOST_ONLY`] in the top one (a freed
+    /// node is `NIL`: worker `WORKER_MASK`, which no worker is).
+    worker_tier: u32,
 }
+
+// The tier bit lives in `worker_tier`: a node is still 28 bytes.
+const _: () = assert!(size_of::<Node>() == 28);
+
+/// The node is in its worker's host list: the engine holds the block in
+/// host memory only, and a hit must load it back to the GPU first.
+const HOST_ONLY: u32 = 1 << 31;
+const WORKER_MASK: u32 = !HOST_ONLY;
 
 impl Node {
     fn new(hash: u64, worker: u32, next_holder: u32) -> Self {
@@ -44,12 +63,28 @@ impl Node {
             older: NIL,
             next_holder,
             successor: NIL,
-            worker,
+            worker_tier: worker & WORKER_MASK,
         }
     }
 
     fn hash(&self) -> u64 {
         (u64::from(self.hash_hi) << 32) | u64::from(self.hash_lo)
+    }
+
+    fn worker(&self) -> u32 {
+        self.worker_tier & WORKER_MASK
+    }
+
+    fn host_only(&self) -> bool {
+        self.worker_tier & HOST_ONLY != 0
+    }
+
+    fn set_host_only(&mut self, host_only: bool) {
+        if host_only {
+            self.worker_tier |= HOST_ONLY;
+        } else {
+            self.worker_tier &= WORKER_MASK;
+        }
     }
 }
 
@@ -133,12 +168,16 @@ pub struct PrefixIndex {
     first_holder: HashTable<u32>,
     nodes: Arena,
     free: Vec<u32>,
+    /// Each worker's GPU list, and its host list (capacity 0: no host tier).
     workers: Vec<WorkerList>,
+    hosts: Vec<WorkerList>,
     /// Scratch for `overlaps`: per worker, the last block index matched
     /// and the node it matched on; the workers still matching.
     last_match: Vec<u32>,
     cursor: Vec<u32>,
     alive: Vec<u32>,
+    /// Scratch for `overlaps`: per worker, host-only blocks in its run.
+    host_run: Vec<u32>,
     /// Scratch for `insert`: the request's node on the worker, per block.
     placed: Vec<u32>,
     /// Entries allowed in all, from the operator's byte budget: past it
@@ -198,8 +237,13 @@ impl PrefixIndex {
     /// Adds a worker whose cache holds `capacity` blocks.
     pub fn add_worker(&mut self, capacity: usize) -> WorkerId {
         self.workers.push(WorkerList::new(clamp_u32(capacity)));
+        self.hosts.push(WorkerList {
+            capacity: 0,
+            ..WorkerList::new(0)
+        });
         self.last_match.push(NIL);
         self.cursor.push(NIL);
+        self.host_run.push(0);
         WorkerId(self.workers.len() - 1)
     }
 
@@ -223,19 +267,24 @@ impl PrefixIndex {
         let mut evicted = 0;
         while self.entries() > budget {
             let (mut fullest, mut runner_up) = (None::<usize>, 0);
-            for (w, list) in self.workers.iter().enumerate() {
+            for w in 0..self.workers.len() {
+                let len = self.held(w);
                 match fullest {
-                    Some(f) if list.len <= self.workers[f].len => runner_up = runner_up.max(list.len),
+                    Some(f) if len <= self.held(f) => runner_up = runner_up.max(len),
                     _ => {
-                        runner_up = fullest.map_or(0, |f| self.workers[f].len);
+                        runner_up = fullest.map_or(0, |f| self.held(f));
                         fullest = Some(w);
                     }
                 }
             }
             let Some(w) = fullest else { break };
             let before = evicted;
-            while self.entries() > budget && (self.workers[w].len > runner_up || evicted == before) {
-                let oldest = self.workers[w].oldest;
+            while self.entries() > budget && (self.held(w) > runner_up || evicted == before) {
+                // Host-only blocks first: a hit on them is worth less.
+                let oldest = match self.hosts[w].oldest {
+                    NIL => self.workers[w].oldest,
+                    host => host,
+                };
                 if oldest == NIL {
                     break;
                 }
@@ -253,9 +302,24 @@ impl PrefixIndex {
         self.workers.len()
     }
 
-    /// Blocks held by `worker`.
+    /// Blocks held by `worker` on its GPU (some may have host copies too).
     pub fn len(&self, worker: WorkerId) -> usize {
         self.workers.get(worker.0).map_or(0, |w| w.len as usize)
+    }
+
+    /// Blocks `worker` holds in host memory only.
+    pub fn host_len(&self, worker: WorkerId) -> usize {
+        self.hosts.get(worker.0).map_or(0, |w| w.len as usize)
+    }
+
+    /// Host-only blocks `worker`'s host tier holds at most (0: none).
+    pub fn host_capacity(&self, worker: WorkerId) -> usize {
+        self.hosts.get(worker.0).map_or(0, |w| w.capacity as usize)
+    }
+
+    /// Entries of worker `w` on both tiers.
+    fn held(&self, w: usize) -> u32 {
+        self.workers[w].len + self.hosts[w].len
     }
 
     /// (block, worker) entries in all.
@@ -280,30 +344,61 @@ impl PrefixIndex {
         self.evict_over_capacity(worker.0)
     }
 
+    /// Sets `worker`'s host tier to `capacity` host-only blocks (0: none,
+    /// so GPU evictions forget blocks again), evicting its oldest host-only
+    /// blocks if it shrank. Returns how many went.
+    pub fn set_host_capacity(&mut self, worker: WorkerId, capacity: usize) -> usize {
+        let Some(list) = self.hosts.get_mut(worker.0) else {
+            return 0;
+        };
+        list.capacity = clamp_u32(capacity);
+        self.evict_over_host_capacity(worker.0)
+    }
+
     /// Bytes this index holds on the heap (arena, free list, hash map).
     pub fn memory_bytes(&self) -> usize {
         let map = self.first_holder.allocation_size();
         map + self.nodes.allocated_bytes()
             + self.free.capacity() * size_of::<u32>()
-            + self.workers.capacity() * size_of::<WorkerList>()
-            + (self.last_match.capacity() + self.cursor.capacity() + self.alive.capacity() + self.placed.capacity())
+            + (self.workers.capacity() + self.hosts.capacity()) * size_of::<WorkerList>()
+            + (self.last_match.capacity()
+                + self.cursor.capacity()
+                + self.alive.capacity()
+                + self.placed.capacity()
+                + self.host_run.capacity())
                 * size_of::<u32>()
     }
 
     /// For every worker, how many leading blocks of `hashes` it holds,
     /// written into `overlaps` (one slot per worker, zeroed first).
     pub fn overlaps(&mut self, hashes: &[u64], overlaps: &mut Vec<usize>) {
+        self.overlaps_by_tier(hashes, overlaps, None);
+    }
+
+    /// `overlaps`, and for every worker how many of those leading blocks it
+    /// holds in host memory only, written into `host_only` when given. A
+    /// run goes on across tiers: the engine loads host blocks back and
+    /// reuses them as its own.
+    pub fn overlaps_by_tier(&mut self, hashes: &[u64], overlaps: &mut Vec<usize>, host_only: Option<&mut Vec<usize>>) {
         overlaps.clear();
         overlaps.resize(self.workers.len(), 0);
         self.alive.clear();
-        let Some(&first_hash) = hashes.first() else { return };
+        let Some(&first_hash) = hashes.first() else {
+            if let Some(host_only) = host_only {
+                host_only.clear();
+                host_only.resize(self.workers.len(), 0);
+            }
+            return;
+        };
         // Block 0: every holder starts a run.
         let mut node = self.first_of(first_hash).unwrap_or(NIL);
         while node != NIL {
             let n = self.nodes[node as usize];
-            self.alive.push(n.worker);
-            self.cursor[n.worker as usize] = node;
-            self.last_match[n.worker as usize] = 0;
+            let w = n.worker();
+            self.alive.push(w);
+            self.cursor[w as usize] = node;
+            self.last_match[w as usize] = 0;
+            self.host_run[w as usize] = u32::from(n.host_only());
             node = n.next_holder;
         }
         // Each further block: a worker continues if it holds it too, found
@@ -320,7 +415,7 @@ impl PrefixIndex {
                 let successor = self.nodes[self.cursor[w as usize] as usize].successor;
                 let next = if successor != NIL
                     && let Some(s) = self.nodes.get(successor as usize)
-                    && s.worker == w
+                    && s.worker() == w
                     && s.hash() == hash
                 {
                     Some(successor)
@@ -331,6 +426,7 @@ impl PrefixIndex {
                 if let Some(next) = next {
                     self.cursor[w as usize] = next;
                     self.last_match[w as usize] = i as u32;
+                    self.host_run[w as usize] += u32::from(self.nodes[next as usize].host_only());
                     self.alive[keep] = w;
                     keep += 1;
                 }
@@ -341,9 +437,20 @@ impl PrefixIndex {
         let mut node = self.first_of(first_hash).unwrap_or(NIL);
         while node != NIL {
             let n = self.nodes[node as usize];
-            let w = n.worker as usize;
+            let w = n.worker() as usize;
             overlaps[w] = self.last_match[w] as usize + 1;
             node = n.next_holder;
+        }
+        if let Some(host_only) = host_only {
+            host_only.clear();
+            host_only.resize(self.workers.len(), 0);
+            let mut node = self.first_of(first_hash).unwrap_or(NIL);
+            while node != NIL {
+                let n = self.nodes[node as usize];
+                let w = n.worker() as usize;
+                host_only[w] = self.host_run[w] as usize;
+                node = n.next_holder;
+            }
         }
     }
 
@@ -351,7 +458,7 @@ impl PrefixIndex {
     fn holder_from(&self, mut node: u32, worker: u32) -> Option<u32> {
         while node != NIL {
             let n = &self.nodes[node as usize];
-            if n.worker == worker {
+            if n.worker() == worker {
                 return Some(node);
             }
             node = n.next_holder;
@@ -392,18 +499,24 @@ impl PrefixIndex {
                 .filter(|&s| {
                     self.nodes
                         .get(s as usize)
-                        .is_some_and(|n| n.worker == worker_u32 && n.hash() == hash)
+                        .is_some_and(|n| n.worker() == worker_u32 && n.hash() == hash)
                 });
             let node = linked.or_else(|| self.find(worker_u32, hash)).unwrap_or(NIL);
             placed.push(node);
             previous = node;
         }
         // Backward: touch or create each block, last first (so the first
-        // block ends newest), and link each to the block after it.
+        // block ends newest), and link each to the block after it. A
+        // host-only block is back on the GPU: the engine loaded it.
         let mut after = NIL;
         for (i, &hash) in hashes.iter().enumerate().rev() {
             let node = if placed[i] != NIL {
                 self.unlink_lru(placed[i]);
+                if self.nodes[placed[i] as usize].host_only() {
+                    self.nodes[placed[i] as usize].set_host_only(false);
+                    self.hosts[w].len -= 1;
+                    self.workers[w].len += 1;
+                }
                 placed[i]
             } else {
                 let next_holder = self.first_of(hash).unwrap_or(NIL);
@@ -420,7 +533,41 @@ impl PrefixIndex {
         self.evict_over_capacity(w) + self.evict_over_budget()
     }
 
-    /// Drops `worker`'s `count` oldest blocks; returns how many it dropped.
+    /// Moves `worker`'s `count` oldest GPU blocks to its host list (the
+    /// engine evicted them from the GPU and kept their host copies), then
+    /// holds the host list to its capacity. Returns how many moved.
+    pub fn demote_oldest(&mut self, worker: WorkerId, count: usize) -> usize {
+        let mut moved = 0;
+        while moved < count {
+            let Some(list) = self.workers.get(worker.0) else { break };
+            if list.oldest == NIL {
+                break;
+            }
+            self.demote(list.oldest);
+            moved += 1;
+        }
+        if moved > 0 {
+            self.evict_over_host_capacity(worker.0);
+        }
+        moved
+    }
+
+    /// Drops `worker`'s `count` oldest host-only blocks; returns how many.
+    pub fn drop_oldest_host(&mut self, worker: WorkerId, count: usize) -> usize {
+        let mut dropped = 0;
+        while dropped < count {
+            let Some(list) = self.hosts.get(worker.0) else { break };
+            if list.oldest == NIL {
+                break;
+            }
+            self.remove_node(list.oldest);
+            dropped += 1;
+        }
+        dropped
+    }
+
+    /// Drops `worker`'s `count` oldest GPU blocks, host copies or not (see
+    /// `demote_oldest` for the engine keeping them); returns how many.
     pub fn drop_oldest(&mut self, worker: WorkerId, count: usize) -> usize {
         let mut dropped = 0;
         while dropped < count {
@@ -434,13 +581,17 @@ impl PrefixIndex {
         dropped
     }
 
-    /// Forgets everything `worker` holds (a restart or cache reset).
+    /// Forgets everything `worker` holds, on both tiers (a restart or cache
+    /// reset). Returns how many GPU blocks went.
     pub fn clear_worker(&mut self, worker: WorkerId) -> usize {
+        let host = self.host_len(worker);
+        self.drop_oldest_host(worker, host);
         let len = self.len(worker);
         self.drop_oldest(worker, len)
     }
 
-    /// `worker`'s blocks from oldest to newest (for snapshots).
+    /// `worker`'s GPU blocks from oldest to newest (for snapshots; host-only
+    /// blocks are not kept across restarts).
     pub fn blocks_oldest_first(&self, worker: WorkerId) -> Vec<u64> {
         let mut out = Vec::with_capacity(self.len(worker));
         let mut node = self.workers.get(worker.0).map_or(NIL, |l| l.oldest);
@@ -452,10 +603,34 @@ impl PrefixIndex {
         out
     }
 
+    /// Holds the GPU list to its capacity: its oldest blocks move to the
+    /// host list when the worker has a host tier, else are forgotten.
+    /// Returns how many left the GPU list.
     fn evict_over_capacity(&mut self, w: usize) -> usize {
         let mut evicted = 0;
+        let offload = self.hosts[w].capacity > 0;
         while self.workers[w].len > self.workers[w].capacity {
             let oldest = self.workers[w].oldest;
+            if oldest == NIL {
+                break;
+            }
+            if offload {
+                self.demote(oldest);
+            } else {
+                self.remove_node(oldest);
+            }
+            evicted += 1;
+        }
+        if offload {
+            self.evict_over_host_capacity(w);
+        }
+        evicted
+    }
+
+    fn evict_over_host_capacity(&mut self, w: usize) -> usize {
+        let mut evicted = 0;
+        while self.hosts[w].len > self.hosts[w].capacity {
+            let oldest = self.hosts[w].oldest;
             if oldest == NIL {
                 break;
             }
@@ -463,6 +638,30 @@ impl PrefixIndex {
             evicted += 1;
         }
         evicted
+    }
+
+    /// Moves a GPU node to the newest end of its worker's host list.
+    fn demote(&mut self, node: u32) {
+        if self.nodes[node as usize].host_only() {
+            return;
+        }
+        self.unlink_lru(node);
+        let w = self.nodes[node as usize].worker() as usize;
+        self.workers[w].len -= 1;
+        self.hosts[w].len += 1;
+        self.nodes[node as usize].set_host_only(true);
+        self.push_newest(node);
+    }
+
+    /// The list `node` is in.
+    fn list_of(&mut self, node: u32) -> &mut WorkerList {
+        let n = self.nodes[node as usize];
+        let w = n.worker() as usize;
+        if n.host_only() {
+            &mut self.hosts[w]
+        } else {
+            &mut self.workers[w]
+        }
     }
 
     fn alloc(&mut self, node: Node) -> u32 {
@@ -476,8 +675,7 @@ impl PrefixIndex {
     }
 
     fn push_newest(&mut self, node: u32) {
-        let w = self.nodes[node as usize].worker as usize;
-        let list = &mut self.workers[w];
+        let list = self.list_of(node);
         let old_newest = list.newest;
         list.newest = node;
         if list.oldest == NIL {
@@ -491,27 +689,27 @@ impl PrefixIndex {
     }
 
     fn unlink_lru(&mut self, node: u32) {
-        let Node {
-            newer, older, worker, ..
-        } = self.nodes[node as usize];
-        let list = &mut self.workers[worker as usize];
+        let Node { newer, older, .. } = self.nodes[node as usize];
+        if newer != NIL {
+            self.nodes[newer as usize].older = older;
+        }
+        if older != NIL {
+            self.nodes[older as usize].newer = newer;
+        }
+        let list = self.list_of(node);
         if newer == NIL {
             list.newest = older;
-        } else {
-            self.nodes[newer as usize].older = older;
         }
         if older == NIL {
             list.oldest = newer;
-        } else {
-            self.nodes[older as usize].newer = newer;
         }
     }
 
     fn remove_node(&mut self, node: u32) {
         self.unlink_lru(node);
         let removed = self.nodes[node as usize];
-        let (hash, next_holder, worker) = (removed.hash(), removed.next_holder, removed.worker);
-        self.workers[worker as usize].len -= 1;
+        let (hash, next_holder) = (removed.hash(), removed.next_holder);
+        self.list_of(node).len -= 1;
         // Unlink from the block's holder chain (chains are short: the
         // workers holding one block).
         if let Some(first) = self.first_of(hash) {
@@ -534,7 +732,7 @@ impl PrefixIndex {
             }
         }
         // A freed node must never pass a successor check.
-        self.nodes[node as usize].worker = NIL;
+        self.nodes[node as usize].worker_tier = NIL;
         self.free.push(node);
     }
 }

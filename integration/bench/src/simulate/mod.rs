@@ -34,6 +34,15 @@ pub(crate) struct Options {
     /// KV capacity per worker, in tokens.
     #[arg(long, default_value_t = 1_000_000)]
     capacity_tokens: u64,
+    /// A host tier per worker of this many engine blocks (16 tokens each):
+    /// blocks evicted from the GPU go there (LRU), and a hit there is loaded
+    /// back instead of recomputed. 0: none.
+    #[arg(long, default_value_t = 0)]
+    host_tier_blocks: u64,
+    /// Host → GPU load speed, in tokens per ms (default: 25 GB/s of PCIe at
+    /// the engine model's 131,072 KV bytes per token, ~190.7).
+    #[arg(long)]
+    host_load_tokens_per_ms: Option<f64>,
     /// `all`, or a comma-separated list of policy names.
     #[arg(long, default_value = "all")]
     policies: String,
@@ -65,6 +74,8 @@ pub(crate) struct Options {
 pub(crate) struct Fleet {
     pub(crate) workers: usize,
     pub(crate) capacity_tokens: u64,
+    /// Each worker's host tier, in engine blocks (0: none).
+    pub(crate) host_tier_blocks: u64,
 }
 
 /// A finished request to feed back to its policy, ordered by end time.
@@ -198,7 +209,10 @@ pub(crate) fn run_policy(
     ) else {
         bail!("unknown policy {name:?}; known: {}", policies::ALL.join(", "));
     };
-    let mut world = World::new(fleet.workers, fleet.capacity_tokens, timing);
+    let mut world = World::tiered(fleet.workers, fleet.capacity_tokens, fleet.host_tier_blocks, timing);
+    if fleet.host_tier_blocks > 0 {
+        policy.host_tier(fleet.host_tier_blocks.saturating_mul(16));
+    }
     let mut insights = Insights::new(InsightConfig::default());
     let mut last_blocks: HashMap<u64, usize> = HashMap::new();
     let mut pending: BinaryHeap<Completion> = BinaryHeap::new();
@@ -323,6 +337,7 @@ pub(crate) fn run_policy(
     let makespan_s = (end_ms - first_sent.min(end_ms)) / 1e3;
     let output: u64 = prepared.iter().map(|r| u64::from(r.output_tokens)).sum();
     let per_worker: Vec<f64> = world.workers.iter().map(|w| w.prefill_tokens as f64).collect();
+    let host_loaded: u64 = world.workers.iter().map(|w| w.host_loaded_tokens).sum();
     let mean = per_worker.iter().sum::<f64>() / per_worker.len().max(1) as f64;
     let imbalance = per_worker.iter().copied().fold(0.0, f64::max) / mean.max(1.0);
     // Session affinity: the share of a session's later calls that went
@@ -384,6 +399,8 @@ pub(crate) fn run_policy(
     let result = json!({
         "hit_rate": cached as f64 / prompt.max(1) as f64,
         "prefill_tokens": prompt - cached,
+        // Cached tokens that came back from the host tier (0 without one).
+        "host_loaded_tokens": host_loaded,
         "ttft_p50_ms": percentile(&ttft, 0.5),
         "ttft_p99_ms": percentile(&ttft, 0.99),
         "throughput_tok_s": output as f64 / makespan_s.max(1e-9),
@@ -424,6 +441,7 @@ fn load_workload(options: &Options, seed: u64) -> anyhow::Result<Workload> {
         .collect::<anyhow::Result<_>>()?;
     let mut infinite = Engine::new(EngineConfig {
         capacity_tokens: u64::MAX / 2,
+        ..EngineConfig::default()
     });
     let (mut p, mut c) = (0u64, 0u64);
     for r in &prepared {
@@ -462,8 +480,15 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     let fleet = Fleet {
         workers: options.workers,
         capacity_tokens: options.capacity_tokens,
+        host_tier_blocks: options.host_tier_blocks,
     };
-    let timing = TimingModel::default();
+    let mut timing = TimingModel::default();
+    if let Some(rate) = options.host_load_tokens_per_ms {
+        if !(rate.is_finite() && rate > 0.0) {
+            bail!("--host-load-tokens-per-ms must be a positive number");
+        }
+        timing.host_load_tokens_per_ms = rate;
+    }
     // Per policy, each seed's figures; all seeds' TTFTs for the plot.
     let mut per_seed: HashMap<&str, Vec<serde_json::Value>> = HashMap::new();
     let mut ttfts: HashMap<&str, Vec<f64>> = HashMap::new();
@@ -654,6 +679,15 @@ mod tests {
     }
 
     fn play(requests: &[Request], closed_loop: bool, policy: &str) -> (Schedule, Run) {
+        let fleet = Fleet {
+            workers: 2,
+            capacity_tokens: 200_000,
+            host_tier_blocks: 0,
+        };
+        play_on(requests, closed_loop, policy, fleet)
+    }
+
+    fn play_on(requests: &[Request], closed_loop: bool, policy: &str, fleet: Fleet) -> (Schedule, Run) {
         let config = FilterConfig::default();
         let prepared: Vec<Prepared> = requests
             .iter()
@@ -661,12 +695,31 @@ mod tests {
             .map(|(i, r)| world::prepare(i, r, &config).unwrap())
             .collect();
         let schedule = Schedule::new(requests, closed_loop, 1);
-        let fleet = Fleet {
-            workers: 2,
-            capacity_tokens: 200_000,
-        };
         let run = run_policy(policy, &prepared, &schedule, fleet, 1, TimingModel::default()).unwrap();
         (schedule, run)
+    }
+
+    /// KV below the working set (each session's ~9k-token context against
+    /// 12k tokens per worker): a host tier of 2,000 blocks (32k tokens) per
+    /// worker keeps what the GPU evicts, so sessions coming back load their
+    /// prefix instead of recomputing it, for every policy.
+    #[test]
+    fn a_host_tier_lowers_prefill_on_a_pressured_run() {
+        let requests = agents();
+        for policy in ["round_robin", "kvmesh", "kvmesh_oracle"] {
+            let fleet = |host_tier_blocks| Fleet {
+                workers: 2,
+                capacity_tokens: 12_000,
+                host_tier_blocks,
+            };
+            let (_, plain) = play_on(&requests, true, policy, fleet(0));
+            let (_, tiered) = play_on(&requests, true, policy, fleet(2_000));
+            let figure = |run: &Run, name: &str| run.result[name].as_u64().unwrap();
+            assert_eq!(figure(&plain, "host_loaded_tokens"), 0);
+            assert!(figure(&tiered, "host_loaded_tokens") > 0, "{policy}");
+            let (before, after) = (figure(&plain, "prefill_tokens"), figure(&tiered, "prefill_tokens"));
+            assert!(after < before, "{policy}: prefill {before} → {after}");
+        }
     }
 
     /// Each call's send time and end, by session, in order.

@@ -25,6 +25,10 @@ pub(crate) trait Policy {
     fn pick(&mut self, request: &Prepared, view: &View<'_>) -> usize;
     /// The request finished at `view.now` on `worker` (outcome feedback).
     fn completed(&mut self, _worker: usize, _request: &Prepared, _cached_tokens: u64, _ttft_ms: f64, _now_ms: f64) {}
+    /// Each engine has a host tier of `tokens` (told before the first pick,
+    /// as KV events with medium CPU would tell kvmesh's sidecar that a tier
+    /// exists). Only kvmesh's index listens; the peers' ports have no tier.
+    fn host_tier(&mut self, _tokens: u64) {}
 }
 
 pub(crate) const ALL: [&str; 12] = [
@@ -164,7 +168,8 @@ pub(crate) enum Overlaps {
     /// Its own prefix index, as the sidecar runs it (`kvmesh`).
     Index,
     /// The engines' true caches (`kvmesh_oracle`): the same router fed
-    /// exact overlaps through `Router::pick_with_overlaps`, the hook a
+    /// exact overlaps, host-tier blocks apart, through
+    /// `Router::pick_with_tier_overlaps`, the hook a
     /// precise mode would use. The gap between the two is what the index's
     /// approximation costs.
     Oracle,
@@ -194,14 +199,31 @@ impl Policy for Kvmesh {
         let d = match self.overlaps {
             Overlaps::Index => self.router.pick(input),
             Overlaps::Oracle => {
-                let overlaps: Vec<(kvmesh_core::WorkerId, usize)> = (0..view.workers())
-                    .map(|w| (kvmesh_core::WorkerId(w), view.true_cached_blocks(w, r)))
+                // Each engine's true cache, tier by tier: the oracle prices a
+                // host hit as the router does (`host_hit_credit`).
+                let overlaps: Vec<(kvmesh_core::WorkerId, usize, usize)> = (0..view.workers())
+                    .map(|w| {
+                        let (blocks, host) = view.true_cached_tier_blocks(w, r);
+                        (kvmesh_core::WorkerId(w), blocks, host)
+                    })
                     .collect();
-                self.router.pick_with_overlaps(input, &overlaps)
+                self.router.pick_with_tier_overlaps(input, &overlaps)
             }
         };
         self.picks.insert(r.index, d.pick_id);
         d.ranked.first().map_or(0, |w| w.0)
+    }
+
+    fn host_tier(&mut self, tokens: u64) {
+        // The index counts in kvmesh blocks: the filter's block of the
+        // canonical stream (256 bytes) at the engine model's 4 bytes per
+        // token, 64 tokens.
+        let block_bytes = kvmesh_request::FilterConfig::default().block_bytes.max(1) as u64;
+        let blocks = tokens.saturating_mul(kvmesh_sim::engine::BYTES_PER_TOKEN) / block_bytes;
+        for w in 0..self.router.workers().len() {
+            self.router
+                .set_host_capacity_blocks(kvmesh_core::WorkerId(w), usize::try_from(blocks).unwrap_or(usize::MAX));
+        }
     }
 
     fn completed(&mut self, _worker: usize, r: &Prepared, cached_tokens: u64, ttft_ms: f64, now_ms: f64) {
@@ -245,6 +267,7 @@ fn kvmesh_config(base: RouterConfig, overrides: &str, prefill_rate: f64) -> Opti
             "tie_tolerance" => &mut c.tie_tolerance,
             "move_margin" => &mut c.move_margin,
             "recent_prefill_weight" => &mut c.recent_prefill_weight,
+            "host_hit_credit" => &mut c.host_hit_credit,
             _ => return None,
         };
         *field = value;

@@ -2,7 +2,12 @@
 //! worker (the `kvmesh-sim` engine: prefix cache, LRU, counters) with its
 //! timing model (a FIFO prefill queue whose prompts are looked up when
 //! their prefill starts and cached chunk by chunk as it computes them;
-//! decode steps that read the weights and the batch's KV).
+//! decode steps that read the weights and the batch's KV). With a host
+//! tier, a prompt's host hits are loaded back before its prefill computes:
+//! the load holds the prefill lane for `tokens / host_load_tokens_per_ms`
+//! (vLLM loads asynchronously and may schedule others meanwhile, so this
+//! errs slow), and the GPU → host offload of evicted blocks is free (it is
+//! asynchronous in vLLM and SGLang, and off the request's path).
 
 use std::collections::VecDeque;
 
@@ -111,8 +116,10 @@ struct Waiting {
 #[derive(Debug)]
 struct Prefilling {
     prefill: Prefill,
-    /// When the lane took it.
+    /// When the lane took it, and how long loading its host hits took
+    /// before it computed.
     start: f64,
+    load_ms: f64,
     computed_tokens: u64,
 }
 
@@ -143,6 +150,8 @@ pub(crate) struct WorkerSim {
     /// time a view looks: views filter by their time).
     admitted: Vec<Admitted>,
     pub(crate) prefill_tokens: u64,
+    /// Prompt tokens loaded back from the host tier instead of computed.
+    pub(crate) host_loaded_tokens: u64,
 }
 
 /// What a policy may look at when it picks.
@@ -195,12 +204,29 @@ impl View<'_> {
         self.workers[w].engine.peek_cached_tokens(prompt)
     }
 
+    /// The engine's true cache on its GPU alone: what the peers fed KV
+    /// events (`dynamo*`, `llm_d_precise`) see, their ports having no host
+    /// tier (Dynamo's own router weighs host blocks at 0.75; its port does
+    /// not yet), so a host tier leaves their view as it was without one.
+    pub(crate) fn true_gpu_cached_tokens(&self, w: usize, prompt: &[u8]) -> u64 {
+        self.workers[w].engine.peek_gpu_cached_tokens(prompt)
+    }
+
     /// The engine's true cache for `r`, in kvmesh's blocks of `r`'s stream
     /// (the engine counts `BYTES_PER_TOKEN` bytes per token): the overlap
     /// kvmesh's index estimates, as the engine knows it.
     pub(crate) fn true_cached_blocks(&self, w: usize, r: &Prepared) -> usize {
-        let bytes = self.true_cached_tokens(w, &r.prompt) * BYTES_PER_TOKEN;
-        usize::try_from(bytes / u64::from(r.block_bytes.max(1))).unwrap_or(usize::MAX)
+        self.true_cached_tier_blocks(w, r).0
+    }
+
+    /// `true_cached_blocks`, and how many of them the engine holds in its
+    /// host tier only (the oracle's view of the tiers).
+    pub(crate) fn true_cached_tier_blocks(&self, w: usize, r: &Prepared) -> (usize, usize) {
+        let (tokens, host) = self.workers[w].engine.peek_cached_tiers(&r.prompt);
+        let blocks =
+            |t: u64| usize::try_from(t * BYTES_PER_TOKEN / u64::from(r.block_bytes.max(1))).unwrap_or(usize::MAX);
+        let (all, gpu) = (blocks(tokens), blocks(tokens - host));
+        (all, all - gpu.min(all))
     }
 }
 
@@ -247,16 +273,27 @@ fn ms(d: std::time::Duration) -> f64 {
 }
 
 impl World {
+    #[cfg(test)]
     pub(crate) fn new(workers: usize, capacity_tokens: u64, timing: TimingModel) -> Self {
+        Self::tiered(workers, capacity_tokens, 0, timing)
+    }
+
+    /// `new`, each engine with a host tier of `host_capacity_blocks` blocks
+    /// of 16 tokens (0: none).
+    pub(crate) fn tiered(workers: usize, capacity_tokens: u64, host_capacity_blocks: u64, timing: TimingModel) -> Self {
         Self {
             workers: (0..workers)
                 .map(|_| WorkerSim {
-                    engine: Engine::new(EngineConfig { capacity_tokens }),
+                    engine: Engine::new(EngineConfig {
+                        capacity_tokens,
+                        host_capacity_blocks,
+                    }),
                     queue: VecDeque::new(),
                     prefilling: None,
                     prefill_free_at: 0.0,
                     admitted: Vec::new(),
                     prefill_tokens: 0,
+                    host_loaded_tokens: 0,
                 })
                 .collect(),
             timing,
@@ -313,7 +350,7 @@ impl World {
     fn chunk_done_at(&self, p: &Prefilling) -> f64 {
         let uncached = p.prefill.served.uncached_tokens();
         let next = (p.computed_tokens + PREFILL_CHUNK_TOKENS).min(uncached);
-        p.start + ms(self.timing.prefill(next))
+        p.start + p.load_ms + ms(self.timing.prefill(next))
     }
 
     /// Everything due by `t` happens, on every worker: the prefills that
@@ -367,7 +404,8 @@ impl World {
         worker.engine.finish(0);
         let served = prefill.served;
         let uncached = served.uncached_tokens();
-        let first_token = start + ms(timing.prefill(uncached));
+        let load_ms = ms(timing.host_load(served.host_loaded_tokens));
+        let first_token = start + load_ms + ms(timing.prefill(uncached));
         worker.prefill_free_at = first_token;
         let batch: f64 = worker
             .admitted
@@ -384,10 +422,12 @@ impl World {
             a.uncached = uncached as f64;
         }
         worker.prefill_tokens += uncached;
+        worker.host_loaded_tokens += served.host_loaded_tokens;
         if uncached > 0 {
             worker.prefilling = Some(Prefilling {
                 prefill,
                 start,
+                load_ms,
                 computed_tokens: 0,
             });
         }

@@ -33,8 +33,10 @@ pub struct Cost {
 pub(super) struct CostFacts {
     pub(super) request_tokens: f64,
     pub(super) block_tokens: f64,
-    /// Leading blocks of the request the worker holds.
+    /// Leading blocks of the request the worker holds, on either tier.
     pub(super) overlap: usize,
+    /// Of those, the blocks it holds in host memory only.
+    pub(super) host_overlap: usize,
     /// Prompt tokens waiting for prefill there: kvmesh's fluid queue plus
     /// the engine's own queue in assumed requests.
     pub(super) queued_tokens: f64,
@@ -73,9 +75,25 @@ pub(super) fn engine_cached_tokens(matched_tokens: f64, request_tokens: f64, eng
     }
 }
 
+/// The prompt tokens a hit on `overlap` leading blocks saves, `host` of
+/// them host-only: a GPU block saves its whole prefill, a host-only one
+/// `host_hit_credit` of it (it must be loaded back first).
+pub(super) fn credited_cached_tokens(
+    c: &RouterConfig,
+    overlap: usize,
+    host: usize,
+    block_tokens: f64,
+    request_tokens: f64,
+) -> f64 {
+    let host = host.min(overlap);
+    let gpu = (overlap - host) as f64;
+    let credit = c.host_hit_credit.clamp(0.0, 1.0);
+    ((gpu + credit * host as f64) * block_tokens).min(request_tokens)
+}
+
 /// The router's cost formula (see the module doc of `router`).
 pub(super) fn cost(c: &RouterConfig, f: &CostFacts) -> Cost {
-    let cached = (f.overlap as f64 * f.block_tokens).min(f.request_tokens);
+    let cached = credited_cached_tokens(c, f.overlap, f.host_overlap, f.block_tokens, f.request_tokens);
     let uncached = f.request_tokens - cached;
     let mut cost = Cost {
         prefill: c.prefill_weight * uncached,

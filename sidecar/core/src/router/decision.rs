@@ -120,6 +120,8 @@ pub struct Decision {
     /// Best first; empty when no worker can be picked.
     pub ranked: Vec<WorkerId>,
     pub predicted_cached_blocks: u32,
+    /// Of those, the blocks held in the worker's host tier only.
+    pub predicted_host_blocks: u32,
     /// Those blocks as the prompt tokens the engine should report cached:
     /// at the model's learned bytes per token, in whole engine blocks when
     /// the engine's block size is known.

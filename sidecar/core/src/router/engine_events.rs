@@ -24,6 +24,16 @@ pub struct EngineCacheChange {
     /// The engine's resident blocks after the batch, when the events are
     /// known complete; `None` after a lost message.
     pub resident_blocks: Option<u64>,
+    /// The engine has a host tier: its events named one (vLLM's medium
+    /// "CPU"), in this batch or before.
+    pub host_tier: bool,
+    /// Of `removed_blocks`, those whose host copy stays: off the GPU, still
+    /// a (partial) hit.
+    pub removed_to_host_blocks: u64,
+    /// Host copies removed while the GPU held none: host-only blocks gone.
+    pub host_only_removed_blocks: u64,
+    /// The engine's host-only blocks after the batch, when known complete.
+    pub host_only_blocks: Option<u64>,
 }
 
 /// What applying one change did to the index.
@@ -31,8 +41,13 @@ pub struct EngineCacheChange {
 pub struct EngineCacheEffect {
     /// Blocks forgotten because the cache was cleared.
     pub wiped: usize,
-    /// Oldest blocks evicted in step with the engine's removals.
+    /// Oldest blocks evicted in step with the engine's removals (moved to
+    /// the host tier or forgotten).
     pub evicted: usize,
+    /// Of those, the ones moved to the host tier.
+    pub demoted: usize,
+    /// Host-only blocks forgotten in step with the engine's host removals.
+    pub host_evicted: usize,
 }
 
 impl Router {
@@ -59,7 +74,9 @@ impl Router {
         };
         if change.cleared {
             worker.removal_carry = 0.0;
+            worker.host_removal_carry = 0.0;
         }
+        worker.engine_host_only_blocks = change.host_only_blocks;
         if change.engine_block_tokens > 0 {
             worker.engine_block_tokens = Some(change.engine_block_tokens);
         }
@@ -89,7 +106,45 @@ impl Router {
             // Residency unknown (a lost message): follow the removals alone.
             None => due,
         };
-        effect.evicted = self.index.drop_oldest(id, evict);
+        // The engine keeps a host copy of some of what it removes: as many
+        // of the evicted blocks move to the host tier, the oldest first.
+        let keep = if change.removed_blocks == 0 {
+            0
+        } else {
+            let kept = change.removed_to_host_blocks.min(change.removed_blocks) as f64 / change.removed_blocks as f64;
+            (evict as f64 * kept).round() as usize
+        };
+        if change.host_tier && self.index.host_capacity(id) == 0 {
+            // The events bound the host list (below); the index's budget
+            // bounds it whatever they say.
+            self.index.set_host_capacity(id, usize::MAX);
+        }
+        effect.demoted = if change.host_tier {
+            self.index.demote_oldest(id, keep)
+        } else {
+            0
+        };
+        effect.evicted = effect.demoted + self.index.drop_oldest(id, evict - effect.demoted);
+        if change.host_tier {
+            effect.host_evicted = self.follow_host_removals(id, change, per_engine_block);
+        }
         effect
+    }
+
+    /// Holds the worker's host-only blocks to the engine's, converted, when
+    /// the events know them, else drops as many as the engine removed.
+    fn follow_host_removals(&mut self, id: WorkerId, change: &EngineCacheChange, per_engine_block: f64) -> usize {
+        let Some(worker) = self.workers.get_mut(id.0) else {
+            return 0;
+        };
+        worker.host_removal_carry += change.host_only_removed_blocks as f64 * per_engine_block;
+        let due = worker.host_removal_carry.floor();
+        worker.host_removal_carry -= due;
+        let host_len = self.index.host_len(id);
+        let drop = match change.host_only_blocks {
+            Some(resident) => host_len.saturating_sub((resident as f64 * per_engine_block).ceil() as usize),
+            None => due as usize,
+        };
+        self.index.drop_oldest_host(id, drop)
     }
 }

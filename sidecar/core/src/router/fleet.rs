@@ -55,6 +55,12 @@ pub struct WorkerView {
     /// events (`None` without events, or after a lost message).
     pub engine_resident_blocks: Option<u64>,
     pub engine_block_tokens: Option<u32>,
+    /// Blocks the index holds in the worker's host tier only, and the most
+    /// it may (0: no host tier seen); the engine's host-only resident
+    /// blocks, from its KV events, when they are known complete.
+    pub host_blocks: usize,
+    pub host_capacity_blocks: usize,
+    pub engine_host_only_blocks: Option<u64>,
 }
 
 /// `WorkerLoad`: what a worker is busy with, from kvmesh's own picks and
@@ -125,6 +131,9 @@ pub(super) struct Worker {
     pub(super) engine_resident_blocks: Option<u64>,
     pub(super) engine_block_tokens: Option<u32>,
     pub(super) removal_carry: f64,
+    /// The same for the engine's host tier (host-only blocks).
+    pub(super) engine_host_only_blocks: Option<u64>,
+    pub(super) host_removal_carry: f64,
 }
 
 impl Worker {
@@ -199,6 +208,8 @@ impl Router {
             engine_resident_blocks: None,
             engine_block_tokens: None,
             removal_carry: 0.0,
+            engine_host_only_blocks: None,
+            host_removal_carry: 0.0,
         });
         self.by_address.insert(address.to_owned(), id);
         id
@@ -300,6 +311,15 @@ impl Router {
         self.convert_engine_capacity(id);
     }
 
+    /// Gives worker `id` a host tier of `blocks` kvmesh blocks (0: none):
+    /// blocks its index evicts for capacity move there, priced at
+    /// `host_hit_credit`. The sidecar learns a host tier from KV events
+    /// instead (`engine_events`); this is for a tier of known size (the
+    /// simulator's, or an operator's figure).
+    pub fn set_host_capacity_blocks(&mut self, id: WorkerId, blocks: usize) -> usize {
+        self.index.set_host_capacity(id, blocks)
+    }
+
     /// Engine tokens per kvmesh block on worker `id`.
     pub(super) fn tokens_per_block(&self, id: WorkerId) -> f64 {
         let Some(worker) = self.workers.get(id.0) else {
@@ -382,6 +402,9 @@ impl Router {
                 engine_running: w.load.engine_running,
                 engine_kv_usage: w.load.engine_kv_usage,
                 engine_resident_blocks: w.engine_resident_blocks,
+                host_blocks: self.index.host_len(WorkerId(i)),
+                host_capacity_blocks: self.index.host_capacity(WorkerId(i)),
+                engine_host_only_blocks: w.engine_host_only_blocks,
                 engine_block_tokens: w.engine_block_tokens,
             })
             .collect()

@@ -15,7 +15,8 @@
 //!         - move_margin     · request_tokens            (hysteresis; the session's home only)
 //! ```
 //!
-//! `uncached(w)` is the request's tokens minus the leading blocks `w` holds,
+//! `uncached(w)` is the request's tokens minus the leading blocks `w` holds
+//! (a block in its host tier only counts `host_hit_credit` of one),
 //! so the longest cached prefix wins unless its worker is loaded enough that
 //! recomputing elsewhere is cheaper. `queued_prefill` counts kvmesh's own
 //! queue and the engine's reported waiting requests (`waiting_request_tokens`
@@ -115,6 +116,11 @@ pub struct RouterConfig {
     /// Distinct models whose bytes per token are remembered; past it the
     /// one taught least recently is forgotten (see `ModelRates`).
     pub max_models: usize,
+    /// What a block held in a worker's host tier only saves, as a fraction
+    /// of a GPU hit (0 to 1): the engine loads it back over PCIe instead of
+    /// recomputing it. `uncached(w)` counts such a block as `1 − credit` of
+    /// a block.
+    pub host_hit_credit: f64,
 }
 
 impl Default for RouterConfig {
@@ -165,6 +171,14 @@ impl Default for RouterConfig {
             // Far more models than one GPU cluster serves; small enough
             // that a client inventing names costs under 300 KiB.
             max_models: 1024,
+            // Dynamo's default (`host_cache_hit_weight`, 0.75, in
+            // lib/kv-router/src/scheduling/config.rs,
+            // `default_host_cache_hit_weight`). The transfer alone costs
+            // less (an 8B model's 128 KiB per token at ~25 GB/s of PCIe is
+            // ~190 tokens per ms against ~20 of prefill, a credit of ~0.9);
+            // the rest is the load's queueing and its not overlapping the
+            // request's own prefill.
+            host_hit_credit: 0.75,
         }
     }
 }
@@ -247,10 +261,17 @@ impl Router {
     /// the request's full blocks counts as all of them. Everything else,
     /// the index's learning from the placement included, is `pick`'s.
     pub fn pick_with_overlaps(&mut self, input: PickInput<'_>, overlaps: &[(WorkerId, usize)]) -> Decision {
+        let tiered: Vec<(WorkerId, usize, usize)> = overlaps.iter().map(|&(w, blocks)| (w, blocks, 0)).collect();
+        self.pick_from(input, Some(&tiered))
+    }
+
+    /// `pick_with_overlaps` with each worker's leading blocks on either
+    /// tier, and how many of those it holds in host memory only.
+    pub fn pick_with_tier_overlaps(&mut self, input: PickInput<'_>, overlaps: &[(WorkerId, usize, usize)]) -> Decision {
         self.pick_from(input, Some(overlaps))
     }
 
-    fn pick_from(&mut self, input: PickInput<'_>, known_overlaps: Option<&[(WorkerId, usize)]>) -> Decision {
+    fn pick_from(&mut self, input: PickInput<'_>, known_overlaps: Option<&[(WorkerId, usize, usize)]>) -> Decision {
         let pick_id = self.next_pick_id;
         self.next_pick_id += 1;
         let key = input.routing_key();
@@ -280,13 +301,18 @@ impl Router {
         self.drain_queues(input.now_ms);
         self.release_stale_picks(input.now_ms);
         let mut overlaps = Vec::with_capacity(self.workers.len());
+        let mut host_overlaps = Vec::with_capacity(self.workers.len());
         match known_overlaps {
-            None => self.index.overlaps(full, &mut overlaps),
+            None => self
+                .index
+                .overlaps_by_tier(full, &mut overlaps, Some(&mut host_overlaps)),
             Some(known) => {
                 overlaps.resize(self.workers.len(), 0);
-                for &(WorkerId(w), blocks) in known {
-                    if let Some(slot) = overlaps.get_mut(w) {
+                host_overlaps.resize(self.workers.len(), 0);
+                for &(WorkerId(w), blocks, host) in known {
+                    if let (Some(slot), Some(host_slot)) = (overlaps.get_mut(w), host_overlaps.get_mut(w)) {
                         *slot = blocks.min(full.len());
+                        *host_slot = host.min(*slot);
                     }
                 }
             }
@@ -299,6 +325,7 @@ impl Router {
             }
             let id = WorkerId(i);
             let overlap = overlaps.get(i).copied().unwrap_or(0);
+            let host_overlap = host_overlaps.get(i).copied().unwrap_or(0);
             let new_blocks = full.len().saturating_sub(overlap);
             let overflow_blocks = (self.index.len(id) + new_blocks).saturating_sub(self.index.capacity(id));
             let evicted_blocks = if self.config.retention && overflow_blocks > 0 {
@@ -314,6 +341,7 @@ impl Router {
                     request_tokens,
                     block_tokens,
                     overlap,
+                    host_overlap,
                     queued_tokens: w.load.queued_prefill_tokens
                         + w.load.engine_waiting * self.config.waiting_request_tokens,
                     active_kv_tokens: w.load.active_kv_tokens,
@@ -368,6 +396,11 @@ impl Router {
         decision.reason = reason;
         decision.cost = decision.costs.get(chosen.id.0).copied().flatten().unwrap_or_default();
         decision.predicted_cached_blocks = u32::try_from(chosen.overlap).unwrap_or(u32::MAX);
+        let chosen_host = host_overlaps.get(chosen.id.0).copied().unwrap_or(0);
+        decision.predicted_host_blocks = u32::try_from(chosen_host).unwrap_or(u32::MAX);
+        // Host-loaded blocks count as cached: vLLM reports them so (the
+        // scheduler's `num_cached_tokens` includes the connector's loaded
+        // tokens).
         decision.predicted_cached_tokens = cost::engine_cached_tokens(
             cost::matched_tokens(chosen.overlap, block_tokens),
             request_tokens,
@@ -383,7 +416,8 @@ impl Router {
         }
         decision.prefill_tokens_per_ms = self.prefill_tokens_per_ms(chosen.id);
 
-        let uncached = request_tokens - (chosen.overlap as f64 * block_tokens).min(request_tokens);
+        let uncached = request_tokens
+            - cost::credited_cached_tokens(&self.config, chosen.overlap, chosen_host, block_tokens, request_tokens);
         self.note_block_size(chosen.id, block_bytes, input.model);
         self.place(chosen.id, full, full.len().saturating_sub(chosen.overlap), &input);
         self.charge(

@@ -38,7 +38,14 @@ fn a_removal_evicts_the_oldest_blocks_converted_to_kvmesh_blocks() {
     let mut r = placed(20);
     // 3 engine blocks of 128 tokens = 384 tokens = 6 blocks of 64.
     let effect = r.engine_events(W, &removed(3, 128, None));
-    assert_eq!(effect, EngineCacheEffect { wiped: 0, evicted: 6 });
+    assert_eq!(
+        effect,
+        EngineCacheEffect {
+            wiped: 0,
+            evicted: 6,
+            ..EngineCacheEffect::default()
+        }
+    );
     assert_eq!(r.workers()[0].cached_blocks, 14);
     // A request's blocks are touched last to first, so its tail is the
     // oldest: blocks 15..=20 went, the prompt's start stays.
@@ -103,7 +110,13 @@ fn a_clear_wipes_the_worker_as_a_restart_does() {
         resident_blocks: Some(2),
         ..EngineCacheChange::default()
     };
-    assert_eq!(r.engine_events(W, &change), EngineCacheEffect { wiped: 20, evicted: 0 });
+    assert_eq!(
+        r.engine_events(W, &change),
+        EngineCacheEffect {
+            wiped: 20,
+            ..EngineCacheEffect::default()
+        }
+    );
     let view = &r.workers()[0];
     assert_eq!(view.cached_blocks, 0);
     assert_eq!(view.engine_resident_blocks, Some(2));

@@ -1,5 +1,6 @@
 //! `PrefixIndex` against a plain reference model (a list per worker, oldest
-//! first) under random insert / evict / lookup / clear sequences.
+//! first) under random insert / evict / lookup / clear sequences, and with
+//! host tiers against one with a host list beside each GPU list.
 
 use proptest::prelude::*;
 
@@ -100,6 +101,140 @@ proptest! {
                 prop_assert_eq!(index.len(WorkerId(w)), model.lists[w].len());
             }
             prop_assert_eq!(index.entries(), model.lists.iter().map(Vec::len).sum::<usize>());
+        }
+    }
+}
+
+/// The index with host tiers against a reference model: per worker a GPU
+/// list and a host list, oldest first. GPU overflow and demotions move
+/// blocks to the host list (when the worker has a host tier), a full host
+/// list forgets its oldest, a placement brings host blocks back.
+#[derive(Debug, Clone)]
+enum TierOp {
+    Insert { worker: usize, blocks: Vec<u64> },
+    Lookup { blocks: Vec<u64> },
+    Demote { worker: usize, count: usize },
+    DropHost { worker: usize, count: usize },
+    DropOldest { worker: usize, count: usize },
+    SetHostCapacity { worker: usize, capacity: usize },
+    Clear { worker: usize },
+}
+
+fn tier_op() -> impl Strategy<Value = TierOp> {
+    let blocks = prop::collection::vec(0u64..40, 0..12);
+    prop_oneof![
+        4 => (0..WORKERS, blocks.clone()).prop_map(|(worker, blocks)| TierOp::Insert { worker, blocks }),
+        3 => blocks.prop_map(|blocks| TierOp::Lookup { blocks }),
+        1 => (0..WORKERS, 0usize..6).prop_map(|(worker, count)| TierOp::Demote { worker, count }),
+        1 => (0..WORKERS, 0usize..6).prop_map(|(worker, count)| TierOp::DropHost { worker, count }),
+        1 => (0..WORKERS, 0usize..6).prop_map(|(worker, count)| TierOp::DropOldest { worker, count }),
+        1 => (0..WORKERS, 0usize..12).prop_map(|(worker, capacity)| TierOp::SetHostCapacity { worker, capacity }),
+        1 => (0..WORKERS).prop_map(|worker| TierOp::Clear { worker }),
+    ]
+}
+
+#[derive(Debug)]
+struct TierModel {
+    gpu: Vec<Vec<u64>>,
+    host: Vec<Vec<u64>>,
+    host_capacity: Vec<usize>,
+}
+
+const GPU_CAPACITY: usize = 10;
+
+impl TierModel {
+    fn trim_host(&mut self, w: usize) -> usize {
+        let over = self.host[w].len().saturating_sub(self.host_capacity[w]);
+        self.host[w].drain(..over);
+        over
+    }
+
+    fn insert(&mut self, w: usize, blocks: &[u64]) -> usize {
+        for b in blocks.iter().rev() {
+            self.gpu[w].retain(|x| x != b);
+            self.host[w].retain(|x| x != b);
+            self.gpu[w].push(*b);
+        }
+        let over = self.gpu[w].len().saturating_sub(GPU_CAPACITY);
+        let out: Vec<u64> = self.gpu[w].drain(..over).collect();
+        if self.host_capacity[w] > 0 {
+            self.host[w].extend(out);
+            self.trim_host(w);
+        }
+        over
+    }
+
+    fn overlap(&self, w: usize, blocks: &[u64]) -> (usize, usize) {
+        let run: Vec<&u64> = blocks
+            .iter()
+            .take_while(|b| self.gpu[w].contains(b) || self.host[w].contains(b))
+            .collect();
+        (run.len(), run.iter().filter(|b| self.host[w].contains(b)).count())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+    #[test]
+    fn tiered_index_matches_the_reference_model(ops in prop::collection::vec(tier_op(), 1..80)) {
+        let mut index = PrefixIndex::new();
+        let mut model = TierModel {
+            gpu: vec![Vec::new(); WORKERS],
+            host: vec![Vec::new(); WORKERS],
+            host_capacity: vec![0, 4, 8, 0],
+        };
+        for w in 0..WORKERS {
+            let id = index.add_worker(GPU_CAPACITY);
+            index.set_host_capacity(id, model.host_capacity[w]);
+        }
+        let (mut overlaps, mut host) = (Vec::new(), Vec::new());
+        for op in ops {
+            match op {
+                TierOp::Insert { worker, blocks } => {
+                    let mut seen = std::collections::HashSet::new();
+                    let blocks: Vec<u64> = blocks.into_iter().filter(|b| seen.insert(*b)).collect();
+                    prop_assert_eq!(index.insert(WorkerId(worker), &blocks), model.insert(worker, &blocks));
+                }
+                TierOp::Lookup { blocks } => {
+                    index.overlaps_by_tier(&blocks, &mut overlaps, Some(&mut host));
+                    for w in 0..WORKERS {
+                        prop_assert_eq!((overlaps[w], host[w]), model.overlap(w, &blocks), "worker {}", w);
+                    }
+                }
+                TierOp::Demote { worker, count } => {
+                    let moved = index.demote_oldest(WorkerId(worker), count);
+                    let k = count.min(model.gpu[worker].len());
+                    let out: Vec<u64> = model.gpu[worker].drain(..k).collect();
+                    model.host[worker].extend(out);
+                    model.trim_host(worker);
+                    prop_assert_eq!(moved, k);
+                }
+                TierOp::DropHost { worker, count } => {
+                    let k = count.min(model.host[worker].len());
+                    model.host[worker].drain(..k);
+                    prop_assert_eq!(index.drop_oldest_host(WorkerId(worker), count), k);
+                }
+                TierOp::DropOldest { worker, count } => {
+                    let k = count.min(model.gpu[worker].len());
+                    model.gpu[worker].drain(..k);
+                    prop_assert_eq!(index.drop_oldest(WorkerId(worker), count), k);
+                }
+                TierOp::SetHostCapacity { worker, capacity } => {
+                    model.host_capacity[worker] = capacity;
+                    prop_assert_eq!(index.set_host_capacity(WorkerId(worker), capacity), model.trim_host(worker));
+                }
+                TierOp::Clear { worker } => {
+                    index.clear_worker(WorkerId(worker));
+                    model.gpu[worker].clear();
+                    model.host[worker].clear();
+                }
+            }
+            for w in 0..WORKERS {
+                prop_assert_eq!(index.blocks_oldest_first(WorkerId(w)), model.gpu[w].clone());
+                prop_assert_eq!(index.host_len(WorkerId(w)), model.host[w].len());
+            }
+            let all: usize = model.gpu.iter().chain(&model.host).map(Vec::len).sum();
+            prop_assert_eq!(index.entries(), all);
         }
     }
 }

@@ -246,7 +246,7 @@ impl Policy for Dynamo {
         let chosen = bound.unwrap_or_else(|| {
             let overlap: Vec<u64> = (0..view.workers())
                 .map(|w| {
-                    let events = view.true_cached_tokens(w, &r.prompt) / ENGINE_BLOCK_TOKENS;
+                    let events = view.true_gpu_cached_tokens(w, &r.prompt) / ENGINE_BLOCK_TOKENS;
                     // The side index and the events' index: the per-worker maximum.
                     let predicted = self.agents.as_ref().map_or(0, |a| a.predicted_overlap(w, &blocks, now));
                     events.max(predicted as u64)

@@ -48,7 +48,7 @@ impl Policy for LlmDPrecise {
                 if blocks.is_empty() {
                     return 0.0;
                 }
-                let matched = view.true_cached_tokens(w, &r.prompt) / ENGINE_BLOCK_TOKENS;
+                let matched = view.true_gpu_cached_tokens(w, &r.prompt) / ENGINE_BLOCK_TOKENS;
                 (matched as f64 / blocks.len() as f64).min(1.0)
             })
             .collect();

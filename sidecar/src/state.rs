@@ -152,6 +152,7 @@ impl Shared {
             cached = decision.predicted_cached_blocks,
             cached_tokens = decision.predicted_cached_tokens,
             destination = destinations.first().map_or("", String::as_str),
+            retention_horizon_ms = ?input.retention_horizon_ms,
             "pick"
         );
         if let (Some(store), Some(worker)) = (self.store.get(), destinations.first()) {

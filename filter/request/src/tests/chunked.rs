@@ -136,8 +136,10 @@ fn a_body_in_stream_order_is_hashed_ahead() {
 
 #[test]
 fn declared_horizons_and_priority_edits_match_the_one_shot_path() {
-    let mut config = FilterConfig::default();
-    config.priority_field = serde_json::from_value(json!({"engine": "trtllm"})).ok();
+    let config = FilterConfig {
+        priority_field: serde_json::from_value(json!({"engine": "trtllm"})).ok(),
+        ..FilterConfig::default()
+    };
     for seed in 0..6 {
         for model_first in [true, false] {
             let body = with_ttls(agent_chat(12, model_first, true), seed);

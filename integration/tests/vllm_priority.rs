@@ -5,7 +5,7 @@
 //! filter wrote vLLM's `priority` (lower first) into its body. The same
 //! requests without priorities finish in the order they were sent.
 //!
-//! Each request decodes exactly 256 tokens (`min_tokens` = `max_tokens`:
+//! Each queued request decodes exactly 512 tokens (`min_tokens` = `max_tokens`:
 //! `ignore_eos` alone still stops at the chat template's `<|im_end|>`), so
 //! a queue forms: the tiny model otherwise answers before the next request
 //! arrives (the earlier probe of docs/vllm.md saw no order for that
@@ -17,15 +17,18 @@ use kvmesh_integration::vllm::{self, SERVED_MODEL, VllmOptions};
 use kvmesh_integration::{Cluster, ClusterOptions, Engine};
 use serde_json::json;
 
-const OUTPUT_TOKENS: u64 = 256;
+const OUTPUT_TOKENS: u64 = 512;
+/// The last request is short: what matters is when it starts.
+const SHORT_TOKENS: u64 = 16;
 const QUEUED: usize = 4;
 
-fn body(n: usize) -> Vec<u8> {
+fn body(n: usize, tokens: u64) -> Vec<u8> {
     serde_json::to_vec(&json!({
         "model": SERVED_MODEL,
         "messages": [{"role": "user", "content": format!("request {n}: write a long story")}],
-        "max_tokens": OUTPUT_TOKENS,
-        "min_tokens": OUTPUT_TOKENS,
+        "stream": true,
+        "max_tokens": tokens,
+        "min_tokens": tokens,
         "ignore_eos": true,
         "temperature": 0,
     }))
@@ -40,47 +43,48 @@ fn waiting(cluster: &Cluster) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Sends `QUEUED` requests with priority `queued` (one running, the rest
-/// waiting in the engine), then one with priority `last`; returns the
-/// indexes in the order they finished (the last one is `QUEUED`).
-async fn finishing_order(cluster: &Cluster, queued: Option<&str>, last: Option<&str>) -> anyhow::Result<Vec<usize>> {
+/// Sends `QUEUED` long requests with priority `queued` (one running, the
+/// rest waiting in the engine), then a short one with priority `last`;
+/// returns the indexes in the order the engine started them (the last one
+/// is `QUEUED`): the order of their first streamed chunk, which vLLM sends
+/// with the first token. The first chunks of two requests are one whole
+/// long request apart (`max-num-seqs 1`), so a late flush of the API
+/// server cannot reorder them, as it did completion times.
+async fn start_order(cluster: &Cluster, queued: Option<&str>, last: Option<&str>) -> anyhow::Result<Vec<usize>> {
     let started = Instant::now();
-    let (done, mut finished) = tokio::sync::mpsc::unbounded_channel();
-    let send = |n: usize, priority: Option<&str>| {
+    let send = |n: usize, tokens: u64, priority: Option<&str>| {
         let url = format!("{}/v1/chat/completions", cluster.envoy_url);
         let priority = priority.map(str::to_owned);
-        let done = done.clone();
         tokio::spawn(async move {
             let client = reqwest::Client::builder().no_proxy().build()?;
             let mut request = client
                 .post(url)
                 .header("content-type", "application/json")
                 .header("x-session-id", format!("priority-{n}"))
-                .body(body(n));
+                .body(body(n, tokens));
             if let Some(p) = priority {
                 request = request.header("x-kvmesh-priority", p);
             }
-            let response = request.send().await?;
-            let status = response.status().as_u16();
-            let text = response.text().await?;
-            anyhow::ensure!(status == 200, "request {n}: {status} {text}");
-            let usage: serde_json::Value = serde_json::from_str(&text)?;
-            let generated = usage
-                .pointer("/usage/completion_tokens")
-                .and_then(serde_json::Value::as_u64);
-            anyhow::ensure!(
-                generated == Some(OUTPUT_TOKENS),
-                "request {n} generated {generated:?} tokens"
-            );
-            let _ = done.send((n, started.elapsed()));
-            anyhow::Ok(())
+            let mut response = request.send().await?;
+            anyhow::ensure!(response.status() == 200, "request {n}: {}", response.status());
+            let mut first = None;
+            let mut text = Vec::new();
+            while let Some(chunk) = response.chunk().await? {
+                first.get_or_insert_with(|| started.elapsed());
+                text.extend_from_slice(&chunk);
+            }
+            let text = String::from_utf8_lossy(&text);
+            anyhow::ensure!(text.contains("[DONE]"), "request {n}: the stream did not end: {text}");
+            let first = first.ok_or_else(|| anyhow::anyhow!("request {n}: no chunk"))?;
+            eprintln!("  request {n} started at {first:?}, ended at {:?}", started.elapsed());
+            anyhow::Ok((n, first))
         })
     };
     let mut tasks = Vec::new();
     for n in 0..QUEUED {
-        tasks.push(send(n, queued));
+        tasks.push(send(n, OUTPUT_TOKENS, queued));
         // Arrival order is the FCFS tie-break: keep it certain.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
     // The first runs (max-num-seqs 1), the others wait in vLLM's queue.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -88,17 +92,13 @@ async fn finishing_order(cluster: &Cluster, queued: Option<&str>, last: Option<&
         anyhow::ensure!(Instant::now() < deadline, "the engine's queue never formed");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    tasks.push(send(QUEUED, last));
+    tasks.push(send(QUEUED, SHORT_TOKENS, last));
+    let mut firsts = Vec::new();
     for task in tasks {
-        task.await??;
+        firsts.push(task.await??);
     }
-    drop(done);
-    let mut order = Vec::new();
-    while let Some((n, at)) = finished.recv().await {
-        eprintln!("  request {n} finished at {at:?}");
-        order.push(n);
-    }
-    Ok(order)
+    firsts.sort_by_key(|(_, first)| *first);
+    Ok(firsts.into_iter().map(|(n, _)| n).collect())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -119,14 +119,14 @@ async fn a_higher_priority_request_overtakes_the_queued_ones_on_real_vllm() -> a
 
     // Everyone at kvmesh's 0 (the lead class, vLLM's 0): first come, first served.
     eprintln!("no priorities:");
-    let fcfs = finishing_order(&cluster, None, None).await?;
+    let fcfs = start_order(&cluster, None, None).await?;
     assert_eq!(fcfs, (0..=QUEUED).collect::<Vec<_>>(), "without priorities");
 
-    // Queued at -100 (vLLM 100), the last at 100 (vLLM -100): it runs as
+    // Queued at -100 (vLLM 100), the last at 100 (vLLM -100): it starts as
     // soon as the running one is done, before the three that waited.
     eprintln!("the last one at a higher priority:");
-    let order = finishing_order(&cluster, Some("-100"), Some("100")).await?;
-    assert_eq!(order[0], 0, "the running request is not preempted: {order:?}");
+    let order = start_order(&cluster, Some("-100"), Some("100")).await?;
+    assert_eq!(order[0], 0, "the running request went first: {order:?}");
     assert_eq!(
         order[1], QUEUED,
         "the high-priority request did not overtake: {order:?}"

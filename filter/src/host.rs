@@ -25,7 +25,7 @@
 //!   connection, and the code and the elapsed time say enough.
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::MapType;
+use proxy_wasm::types::{BufferType, MapType};
 
 /// A request header's raw value.
 pub(crate) fn request_header(name: &str) -> Option<Vec<u8>> {
@@ -62,4 +62,17 @@ pub(crate) fn property_text(path: Vec<&str>) -> Option<String> {
         .ok()
         .flatten()
         .and_then(|v| String::from_utf8(v).ok())
+}
+
+/// Replaces the first `len` bytes of the request body Envoy holds with
+/// `with`; `false` if the host refused.
+///
+/// Call it only from `on_http_request_body`, with `len` at most the body
+/// size it was given: there the body buffer is the mutable one Envoy holds,
+/// and its `Buffer::copyFrom` takes a rewrite from offset 0 (drain `len`,
+/// prepend `with`) and nothing else. The SDK's `set_buffer` panics on any
+/// status but `Ok` (and the trait's `set_http_request_body` unwraps that),
+/// so a call at another offset, or with no body held, would kill the VM.
+pub(crate) fn replace_request_body_prefix(len: usize, with: &[u8]) -> bool {
+    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, len, with).is_ok()
 }

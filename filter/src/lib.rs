@@ -306,6 +306,7 @@ impl RequestFilter {
             hashes,
             sections,
             body_truncated,
+            body_edit: _,
         } = understood;
         v1::PickRequest {
             truncated: body_truncated || hashes.truncated,
@@ -324,6 +325,7 @@ impl RequestFilter {
             session_final: identity.session_final,
             priority: hints.priority,
             latency_sensitivity: hints.latency_sensitivity,
+            retention_horizon_s: hints.retention_horizon_s,
             api: api.name().to_owned(),
             request_id: 0,
             harness: identity.harness.name().to_owned(),
@@ -391,6 +393,10 @@ impl RequestFilter {
                 kvmesh_request::understand(api, &headers, &body, body_truncated, self.config())
             }
         };
+        if understood.is_err() && self.config().priority_field.is_some() {
+            // Not understood: forwarded as the client sent it.
+            self.metrics().inc(self.metrics().priority_not_written);
+        }
         let understood = match understood {
             Ok(understood) => understood,
             Err(err @ NotUnderstood::ModelTooLong(_)) => {
@@ -403,6 +409,10 @@ impl RequestFilter {
                 return self.fail_open(FailOpen::NotUnderstood);
             }
         };
+        self.count_priority(&understood);
+        if self.config().priority_field.is_some() {
+            self.write_priority(understood.body_edit.as_ref(), body_size);
+        }
         if understood.body_truncated {
             self.metrics().inc(self.metrics().truncated_body);
         }
@@ -452,6 +462,37 @@ impl RequestFilter {
                 self.fail_open(FailOpen::Dispatch)
             }
         }
+    }
+
+    fn count_priority(&self, understood: &Understood) {
+        let metrics = self.metrics();
+        metrics.add(metrics.priority_dropped, usize::from(understood.hints.priority_dropped));
+        if understood.hints.priority_clamped {
+            metrics.inc(metrics.priority_clamped);
+        }
+    }
+
+    /// Writes the engine's priority field into the body Envoy holds (only
+    /// from `on_http_request_body`: see `host::replace_request_body_prefix`)
+    /// and corrects `content-length`. Any doubt leaves the body as it came.
+    fn write_priority(&self, edit: Option<&kvmesh_request::BodyEdit>, body_size: usize) {
+        let metrics = self.metrics();
+        let Some(edit) = edit.filter(|edit| edit.replace <= body_size) else {
+            metrics.inc(metrics.priority_not_written);
+            return;
+        };
+        if !host::replace_request_body_prefix(edit.replace, &edit.with) {
+            metrics.inc(metrics.priority_not_written);
+            return;
+        }
+        // Headers are still held (paused in on_http_request_headers), so
+        // the upstream sees the new length. Without one (HTTP/2, chunked
+        // HTTP/1) Envoy frames the body itself.
+        if host::request_header("content-length").is_some() {
+            host::set_request_header("content-length", Some(&edit.new_len(body_size).to_string()));
+        }
+        metrics.inc(metrics.priority_written);
+        metrics.add(metrics.priority_replaced, edit.replaced);
     }
 
     /// Sends the Pick on the root context's stream; `false` if it is down.

@@ -60,6 +60,17 @@ pub(crate) struct Metrics {
     /// Body callbacks of requests being buffered: with `picks`, how many
     /// pieces Envoy delivers a body in.
     pub(crate) body_chunks: Option<u32>,
+    /// Bodies given the engine's priority field (`priority_field` on), and
+    /// how many client-sent top-level `priority` members were replaced.
+    pub(crate) priority_written: Option<u32>,
+    pub(crate) priority_replaced: Option<u32>,
+    /// `priority_field` on but the body left untouched: not understood,
+    /// cut at the parse cap, or refused by the host.
+    pub(crate) priority_not_written: Option<u32>,
+    /// Client priorities ignored (header or agent hint not an integer, or
+    /// outside i32), and ones clamped into kvmesh's -1000..=1000.
+    pub(crate) priority_dropped: Option<u32>,
+    pub(crate) priority_clamped: Option<u32>,
     fail_open: [Option<u32>; FAIL_OPEN_REASONS.len()],
     parse_error: [Option<u32>; 4],
 }
@@ -82,6 +93,11 @@ impl Metrics {
             late_replies: counter("kvmesh.sidecar.late_replies"),
             hashed_ahead_bytes: counter("kvmesh.hashed_ahead_bytes"),
             body_chunks: counter("kvmesh.body_chunks"),
+            priority_written: counter("kvmesh.priority.written"),
+            priority_replaced: counter("kvmesh.priority.replaced"),
+            priority_not_written: counter("kvmesh.priority.not_written"),
+            priority_dropped: counter("kvmesh.priority.dropped"),
+            priority_clamped: counter("kvmesh.priority.clamped"),
             fail_open: FAIL_OPEN_REASONS.map(|reason| counter(&format!("kvmesh.fail_open.{reason}"))),
             parse_error: Api::ALL.map(|api| counter(&format!("kvmesh.parse_error.{}", api.name()))),
         }

@@ -3,11 +3,12 @@
 //! only UTF-8) in every header it reads: never a panic; when it succeeds
 //! the result is bounded by the configuration and by the wire's limits.
 //! The body is also fed in chunks of fuzzer-chosen sizes, as Envoy delivers
-//! it, and must be understood exactly as in one piece.
+//! it, and must be understood exactly as in one piece (its declared
+//! retention horizon and its priority edit included).
 #![no_main]
 
-use kvmesh_request::{Api, ChunkedRequest, FilterConfig, understand};
-use kvmesh_vocab::limits::{MAX_ID_BYTES, MAX_SECTIONS};
+use kvmesh_request::{Api, ChunkedRequest, Engine, FilterConfig, PriorityField, understand};
+use kvmesh_vocab::limits::{MAX_ID_BYTES, MAX_PRIORITY, MAX_RETENTION_HORIZON_S, MAX_SECTIONS, MIN_PRIORITY};
 use libfuzzer_sys::fuzz_target;
 
 /// Headers the filter reads; the fuzzer's bytes become their values.
@@ -38,6 +39,15 @@ fuzz_target!(|data: &[u8]| {
         max_blocks: 64,
         block_bytes: 16,
         trust_tenant_header: selector & 2 == 2,
+        // The priority rewrite always on: its edit must agree too.
+        priority_field: Some(PriorityField {
+            engine: Engine::Vllm,
+            lead: 0,
+            subagent: 0,
+            background: -100,
+            harness: Default::default(),
+            background_header: "x-kvmesh-background".to_owned(),
+        }),
         ..FilterConfig::default()
     };
     let mut headers: Vec<(String, Vec<u8>)> = vec![("content-type".to_owned(), b"application/json".to_vec())];
@@ -67,6 +77,13 @@ fuzz_target!(|data: &[u8]| {
                 assert!(u.hashes.hashes.len() <= config.max_blocks);
                 assert!(u.model.len() <= MAX_ID_BYTES);
                 assert!(u.sections.len() <= MAX_SECTIONS);
+                assert!(u.hints.retention_horizon_s.is_none_or(|h| h <= MAX_RETENTION_HORIZON_S));
+                assert!(u.hints.priority.is_some_and(|p| (MIN_PRIORITY..=MAX_PRIORITY).contains(&p)));
+                if let Some(edit) = &u.body_edit {
+                    // Only whole bodies are edited, and only from their start.
+                    assert!(!truncated && edit.replace <= body.len());
+                    assert_eq!(edit.apply(body).len(), edit.new_len(body.len()));
+                }
                 for id in [
                     &u.identity.session_id,
                     &u.identity.agent_id,

@@ -7,8 +7,8 @@
 use kvmesh_core::{MAX_BYTES_PER_TOKEN, PickInput};
 use kvmesh_proto::v1;
 use kvmesh_vocab::limits::{
-    MAX_BLOCK_BYTES, MAX_BLOCKS, MAX_ID_BYTES, MAX_NAME_BYTES, MAX_PATH_BYTES, MAX_PROMPT_TOKENS, MAX_SECTIONS,
-    MIN_BLOCK_BYTES,
+    MAX_BLOCK_BYTES, MAX_BLOCKS, MAX_ID_BYTES, MAX_NAME_BYTES, MAX_PATH_BYTES, MAX_PROMPT_TOKENS,
+    MAX_RETENTION_HORIZON_S, MAX_SECTIONS, MIN_BLOCK_BYTES,
 };
 
 /// The largest `prompt_bytes` a Pick may claim: a longer prompt is over
@@ -75,6 +75,14 @@ pub fn check_pick(req: &v1::PickRequest, input: &PickInput<'_>) -> Result<(), Vi
         });
     }
     Ok(())
+}
+
+/// Clamps the fields of a checked Pick that are bounded but not refused: a
+/// declared retention horizon past a day is read as a day (a client's
+/// claim, which may only weigh what its blocks are worth, not refuse it).
+pub fn clamp_pick(input: &mut PickInput<'_>) {
+    let max_ms = u64::from(MAX_RETENTION_HORIZON_S) * 1000;
+    input.retention_horizon_ms = input.retention_horizon_ms.map(|ms| ms.min(max_ms));
 }
 
 /// Clears every string of `outcome` past its bound (the outcome still
@@ -170,6 +178,33 @@ mod tests {
         for (req, field) in cases {
             assert_eq!(check(&req), Err(field));
         }
+    }
+
+    #[test]
+    fn a_retention_horizon_past_a_day_is_clamped_to_a_day() {
+        let day_ms = 86_400_000;
+        for (declared, kept) in [
+            (None, None),
+            (Some(300_000), Some(300_000)),
+            (Some(day_ms), Some(day_ms)),
+            (Some(day_ms + 1), Some(day_ms)),
+            (Some(u64::MAX), Some(day_ms)),
+        ] {
+            let mut input = PickInput {
+                retention_horizon_ms: declared,
+                ..PickInput::default()
+            };
+            clamp_pick(&mut input);
+            assert_eq!(input.retention_horizon_ms, kept, "{declared:?}");
+        }
+        // Over the wire the field is seconds: u32::MAX of them is clamped too.
+        let req = v1::PickRequest {
+            retention_horizon_s: Some(u32::MAX),
+            ..v1::PickRequest::default()
+        };
+        let mut input = crate::wire::pick_input(&req, 0);
+        clamp_pick(&mut input);
+        assert_eq!(input.retention_horizon_ms, Some(day_ms));
     }
 
     #[test]

@@ -114,13 +114,14 @@ impl Shared {
         }
         let started = Instant::now();
         let now = now_ms();
-        let input = wire::pick_input(req, now);
+        let mut input = wire::pick_input(req, now);
         if let Err(violation) = bounds::check_pick(req, &input) {
             // Debug, not warn: whoever can send Picks could flood the log.
             debug!(request_id = req.request_id, "pick rejected: {violation}");
             self.metrics.observe_rejected(violation.field);
             return Answer::Rejected(violation);
         }
+        bounds::clamp_pick(&mut input);
         let sections: Vec<PromptSection> = req.sections.iter().map(wire::section_from_wire).collect();
         let call = Call {
             input,
@@ -151,6 +152,7 @@ impl Shared {
             cached = decision.predicted_cached_blocks,
             cached_tokens = decision.predicted_cached_tokens,
             destination = destinations.first().map_or("", String::as_str),
+            retention_horizon_ms = ?input.retention_horizon_ms,
             "pick"
         );
         if let (Some(store), Some(worker)) = (self.store.get(), destinations.first()) {

@@ -21,7 +21,7 @@ pub fn pick_input(req: &v1::PickRequest, now_ms: u64) -> PickInput<'_> {
         session_final: req.session_final,
         harness: req.harness(),
         tenant: &req.tenant,
-        retention_horizon_ms: None,
+        retention_horizon_ms: req.retention_horizon_s.map(|s| u64::from(s) * 1000),
         truncated: req.truncated,
         now_ms,
     }
@@ -77,9 +77,12 @@ mod tests {
             model: "m".into(),
             session_final: true,
             truncated: true,
+            retention_horizon_s: Some(3600),
             ..v1::PickRequest::default()
         };
         let input = pick_input(&req, 42);
+        assert_eq!(input.retention_horizon_ms, Some(3_600_000));
+        assert_eq!(pick_input(&v1::PickRequest::default(), 0).retention_horizon_ms, None);
         assert_eq!(input.block_hashes, [7, 8]);
         assert!(input.last_block_partial && input.session_final && input.truncated);
         assert_eq!((input.block_bytes, input.prompt_bytes, input.now_ms), (64, 100, 42));

@@ -34,6 +34,20 @@ pub const MAX_BLOCK_BYTES: usize = 1 << 20;
 /// is dropped and counted, never added to a counter.
 pub const MAX_PROMPT_TOKENS: u64 = 1 << 24;
 
+/// Longest retention horizon a request may declare, in seconds: 24 h, the
+/// longest any provider offers (OpenAI `prompt_cache_retention: "24h"`;
+/// Anthropic's longest `cache_control` TTL is 1 h). A longer one is clamped
+/// to it, by the filter and again by the sidecar: past a day, the figure
+/// would only pin KV that no session is likely to come back for.
+pub const MAX_RETENTION_HORIZON_S: u32 = 24 * 60 * 60;
+
+/// kvmesh's request priority scale: an integer, higher runs sooner, 0 the
+/// engine's default. Wide enough for a few classes and fine steps between
+/// them, narrow enough to map onto every engine's field (TensorRT-LLM's is
+/// a float in 0-1). A value outside is clamped to it.
+pub const MIN_PRIORITY: i32 = -1000;
+pub const MAX_PRIORITY: i32 = 1000;
+
 /// Largest gRPC message the sidecar decodes, and the filter sends.
 pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 

@@ -17,6 +17,7 @@ use serde_json::Value;
 
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::retention::marker_horizon_s;
 use crate::scan::{self, ScanError};
 
 /// The inference APIs the filter understands. Other paths pass through.
@@ -130,6 +131,33 @@ impl<'a> Envelope<'a> {
             .map(|(_, value)| value.clone())
     }
 
+    /// The value spans of every top-level member whose key decodes to
+    /// `key`, in body order. JSON parsers keep the last of duplicate keys and
+    /// decode escapes in keys (`"\u0070riority"` is `priority`), so a
+    /// rewrite of one member must find every spelling of it.
+    pub(crate) fn spans_of(&self, key: &str) -> Vec<Range<usize>> {
+        self.members
+            .iter()
+            .filter(|(k, _)| {
+                let raw = &self.body[k.clone()];
+                raw == key.as_bytes()
+                    || (raw.contains(&b'\\')
+                        && self.body.get(k.start - 1..k.end + 1).and_then(json_string).as_deref() == Some(key))
+            })
+            .map(|(_, value)| value.clone())
+            .collect()
+    }
+
+    /// The body the members are spans of.
+    pub(crate) fn body(&self) -> &'a [u8] {
+        self.body
+    }
+
+    /// The object has no members at all (`{}`).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
     /// Member `key` decoded as `T`; `None` when absent, `Err` when mistyped.
     pub fn typed<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, serde_json::Error> {
         match self.raw(key) {
@@ -163,18 +191,24 @@ pub(crate) fn json_string(raw: &[u8]) -> Option<Cow<'_, str>> {
 }
 
 /// Appends one part (separator, name, the value minified) to `out`, which
-/// stops at `limit` bytes.
+/// stops at `limit` bytes. Returns the longest retention horizon its
+/// `cache_control` markers declare, up to where it stopped: the markers
+/// leave the stream, but what they say is kept.
 pub(crate) fn write_part(
     body: &[u8],
     name: &[u8],
     value: Range<usize>,
     out: &mut Vec<u8>,
     limit: usize,
-) -> Result<(), ScanError> {
+) -> Result<Option<u32>, ScanError> {
     out.push(SECTION);
     out.extend_from_slice(name);
     out.push(FIELD);
-    scan::write_minified(body, value, DROPPED_KEYS, out, limit)
+    let mut horizon = None;
+    scan::write_minified(body, value, DROPPED_KEYS, out, limit, &mut |marker| {
+        horizon = horizon.max(marker_horizon_s(&body[marker]));
+    })?;
+    Ok(horizon)
 }
 
 /// One part written ahead into a [`PartCache`].
@@ -190,6 +224,8 @@ pub(crate) struct CachedPart {
     pub(crate) digest: u32,
     /// Not cut by the limit: the bytes are the part's wherever it lands.
     pub(crate) whole: bool,
+    /// The retention horizon its markers declare (see [`write_part`]).
+    pub(crate) horizon_s: Option<u32>,
 }
 
 /// Parts of the canonical stream written before the body is complete, in
@@ -218,11 +254,12 @@ impl PartCache {
         limit: usize,
     ) -> bool {
         let mark = self.bytes.len();
-        if write_part(body, name, value.clone(), &mut self.bytes, limit).is_err() {
+        let Ok(horizon_s) = write_part(body, name, value.clone(), &mut self.bytes, limit) else {
             self.bytes.truncate(mark);
             return false;
-        }
+        };
         self.parts.push(CachedPart {
+            horizon_s,
             name,
             kind,
             index,
@@ -274,6 +311,9 @@ pub struct Canonical {
     pub sections: Vec<Section>,
     /// Parts were left out because the body was cut at the cap.
     pub truncated: bool,
+    /// The longest retention horizon the `cache_control` markers of the
+    /// parts declare, in seconds (markers past the block cap are not read).
+    pub horizon_s: Option<u32>,
 }
 
 struct Builder<'e, 'a> {
@@ -287,6 +327,8 @@ struct Builder<'e, 'a> {
     /// (kind, index, start, digest when known) of each part written.
     sections: Vec<(SectionKind, u32, usize, Option<u32>)>,
     reuse: Option<Reuse>,
+    /// The longest horizon the parts written declare.
+    horizon_s: Option<u32>,
 }
 
 impl Builder<'_, '_> {
@@ -313,6 +355,7 @@ impl Builder<'_, '_> {
                 && part.value == *value
             {
                 self.sections.push((kind, index, kept, Some(part.digest)));
+                self.horizon_s = self.horizon_s.max(part.horizon_s);
                 reuse.kept = Some(part.bytes.end);
                 reuse.next += 1;
                 return true;
@@ -337,8 +380,11 @@ impl Builder<'_, '_> {
         let bytes = (part.bytes.start.checked_sub(reuse.rest_at))
             .and_then(|start| reuse.rest.get(start..start + part.bytes.len()));
         match bytes {
+            // A whole part declares the same wherever it lands: its write
+            // read every marker before its last byte.
             Some(bytes) if part.whole && fits && part.name == name => {
                 self.sections.push((kind, index, self.out.len(), Some(part.digest)));
+                self.horizon_s = self.horizon_s.max(part.horizon_s);
                 self.out.extend_from_slice(bytes);
                 true
             }
@@ -364,8 +410,9 @@ impl Builder<'_, '_> {
         }
         let mark = self.out.len();
         match write_part(self.envelope.body, name, value, &mut self.out, self.limit) {
-            Ok(()) => {
+            Ok(horizon_s) => {
                 self.sections.push((kind, index, mark, None));
+                self.horizon_s = self.horizon_s.max(horizon_s);
                 Ok(true)
             }
             Err(_) if self.envelope.truncated => {
@@ -515,6 +562,7 @@ pub(crate) fn canonical_stream_reusing(
         unknown_order: false,
         sections: Vec::new(),
         reuse,
+        horizon_s: None,
     };
     match api {
         Api::ChatCompletions => {
@@ -580,6 +628,7 @@ pub(crate) fn canonical_stream_reusing(
     Ok((
         Canonical {
             truncated: b.truncated || envelope.truncated(),
+            horizon_s: b.horizon_s,
             stream: b.out,
             sections,
         },

@@ -6,6 +6,7 @@ use kvmesh_vocab::limits::{MAX_BLOCK_BYTES, MAX_BLOCKS, MIN_BLOCK_BYTES};
 use serde::Deserialize;
 
 use crate::hashing::BlockHash;
+use crate::priority::PriorityField;
 
 /// Where an id is read from. Written in the configuration as a string:
 /// `header:<name>`, `body:<json pointer>`, `claude_user_id` (the session part
@@ -97,6 +98,9 @@ pub struct FilterConfig {
     /// Most bytes of a non-streamed response kept to find its `usage`; longer
     /// responses keep their tail, where engines put it.
     pub max_response_scan_bytes: usize,
+    /// Write each request's priority into the body field of this GPU
+    /// cluster's engine. Absent (the default): no body is ever rewritten.
+    pub priority_field: Option<PriorityField>,
 }
 
 /// The header the filter sets, and always removes from clients.
@@ -148,6 +152,7 @@ impl Default for FilterConfig {
             priority_header: "x-kvmesh-priority".to_owned(),
             strip_headers: Vec::new(),
             max_response_scan_bytes: 64 * 1024,
+            priority_field: None,
         }
     }
 }
@@ -225,6 +230,14 @@ impl FilterConfig {
         ] {
             if !is_header_name(name) {
                 return fail(field, "must be a lowercase header name");
+            }
+        }
+        if let Some(field) = &self.priority_field {
+            if !is_header_name(&field.background_header) {
+                return fail("priority_field.background_header", "must be a lowercase header name");
+            }
+            if let Some((field, problem)) = field.problem() {
+                return fail(&field, problem);
             }
         }
         if let Some(bad) = self.strip_headers.iter().find(|h| !is_header_name(h)) {

@@ -102,10 +102,21 @@ pub struct Hints {
     /// `max_completion_tokens`, `max_output_tokens`, `max_tokens`, else
     /// Dynamo's `nvext.agent_hints.osl`.
     pub expected_output_tokens: Option<u32>,
-    /// The priority header, else `nvext.agent_hints.priority`.
+    /// kvmesh's priority (higher is sooner, clamped to
+    /// `MIN_PRIORITY..=MAX_PRIORITY`): the priority header, else
+    /// `nvext.agent_hints.priority`, else, with `priority_field`
+    /// configured, the class of the request's harness and role.
     pub priority: Option<i32>,
+    /// Client priorities ignored (not an integer, or outside i32), and
+    /// whether the one used was clamped: the filter counts both.
+    pub priority_dropped: u8,
+    pub priority_clamped: bool,
     /// Dynamo's `nvext.agent_hints.latency_sensitivity`.
     pub latency_sensitivity: Option<f64>,
+    /// The longest retention horizon the request declares, in seconds
+    /// (Anthropic `cache_control` TTLs, OpenAI `prompt_cache_retention`),
+    /// at most `MAX_RETENTION_HORIZON_S`.
+    pub retention_horizon_s: Option<u32>,
 }
 
 fn read(source: &IdSource, headers: &impl Headers, envelope: &Envelope<'_>, session: &str) -> Option<String> {
@@ -183,13 +194,22 @@ pub fn identify(headers: &impl Headers, envelope: &Envelope<'_>, config: &Filter
     }
 }
 
-/// Reads the scheduling hints of a request.
-pub fn hints(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterConfig) -> Hints {
+/// Reads the scheduling hints of a request of `identity` (its role picks
+/// its class priority). The retention horizon is the canonical stream's to
+/// fill: its markers are read as the stream is built.
+pub fn hints(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterConfig, identity: &Identity) -> Hints {
     let agent_hints = envelope
         .value("nvext")
         .and_then(|nvext| nvext.get("agent_hints").cloned())
         .unwrap_or(Value::Null);
     let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+    let priority = crate::priority::read(
+        headers,
+        &config.priority_header,
+        &agent_hints,
+        identity,
+        config.priority_field.as_ref(),
+    );
     Hints {
         stream: envelope.typed::<bool>("stream").ok().flatten().unwrap_or(false),
         expected_output_tokens: ["max_completion_tokens", "max_output_tokens", "max_tokens"]
@@ -197,16 +217,11 @@ pub fn hints(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterCon
             .find_map(|key| envelope.typed::<u64>(key).ok().flatten())
             .or_else(|| agent_hints.get("osl").and_then(Value::as_u64))
             .map(clamp),
-        priority: headers
-            .get(&config.priority_header)
-            .and_then(|p| p.trim().parse().ok())
-            .or_else(|| {
-                agent_hints
-                    .get("priority")
-                    .and_then(Value::as_i64)
-                    .and_then(|p| i32::try_from(p).ok())
-            }),
+        priority: priority.value,
+        priority_dropped: priority.dropped,
+        priority_clamped: priority.clamped,
         latency_sensitivity: agent_hints.get("latency_sensitivity").and_then(Value::as_f64),
+        retention_horizon_s: None,
     }
 }
 

@@ -12,6 +12,8 @@ mod chunked;
 mod config;
 mod hashing;
 mod identity;
+mod priority;
+mod retention;
 mod scan;
 mod usage;
 
@@ -23,6 +25,8 @@ pub use identity::{Headers, Hints, Identity, bounded_id, detect_harness, hints, 
 use kvmesh_vocab::limits::{MAX_ID_BYTES, MAX_SECTIONS};
 /// Shared with the sidecar and the simulator (defined in `kvmesh-vocab`).
 pub use kvmesh_vocab::{Harness, SectionKind};
+pub use priority::{BodyEdit, Engine, PriorityField, Role, RoleClasses, engine_priority_json};
+pub use retention::{EPHEMERAL_DEFAULT_S, parse_ttl_s};
 pub use scan::ScanError;
 pub use usage::{Usage, UsageReader};
 
@@ -39,6 +43,10 @@ pub struct Understood {
     pub sections: Vec<Section>,
     /// The body was longer than the parse cap: routed on its first bytes.
     pub body_truncated: bool,
+    /// With `priority_field` configured: the rewrite that writes the
+    /// priority into the engine's field, or `None` when the body cannot be
+    /// rewritten safely (cut at the parse cap): it then goes untouched.
+    pub body_edit: Option<BodyEdit>,
 }
 
 /// Why a request is not routed on its content (it then passes through as is).
@@ -100,7 +108,12 @@ fn understand_envelope(
         kept = 0;
     }
     let identity = identify(headers, envelope, config);
-    let hints = hints(headers, envelope, config);
+    let mut hints = hints(headers, envelope, config, &identity);
+    hints.retention_horizon_s = canonical.horizon_s.max(retention::top_level_horizon_s(envelope));
+    let body_edit = config.priority_field.as_ref().and_then(|field| {
+        let value = engine_priority_json(field.engine, hints.priority.unwrap_or_default());
+        priority::edit(envelope, &value)
+    });
     let cache_salt = envelope.string("cache_salt").unwrap_or_default();
     let seed = salt(&identity.tenant, &model, &cache_salt);
     // The chain hashed ahead counts only if it started from this salt and
@@ -127,6 +140,7 @@ fn understand_envelope(
         hashes,
         sections: canonical.sections,
         body_truncated: truncated,
+        body_edit,
     })
 }
 

@@ -217,12 +217,15 @@ enum Expect {
 ///
 /// Writing stops once `out` holds `max_len` bytes (nothing past them is
 /// hashed): the output then ends mid-value, and the rest is not checked.
+/// `dropped` is called with the span of each value left out, in order, up
+/// to where writing stopped (the markers a caller reads before they go).
 pub(crate) fn write_minified(
     bytes: &[u8],
     span: Range<usize>,
     drop_keys: &[&str],
     out: &mut Vec<u8>,
     max_len: usize,
+    dropped: &mut impl FnMut(Range<usize>),
 ) -> Result<()> {
     let bytes = &bytes[..span.end];
     // Per open container: (is an object, has written a member or element).
@@ -314,6 +317,7 @@ pub(crate) fn write_minified(
                 if drop_keys.iter().any(|k| k.as_bytes() == key) {
                     let value = value_span(bytes, colon + 1)?;
                     let after = skip_ws(bytes, value.end);
+                    dropped(value);
                     match byte_at(after)? {
                         b',' => expect = Expect::Key { first: false },
                         b'}' => {

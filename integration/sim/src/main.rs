@@ -3,7 +3,9 @@
 //! token blocks (it knows nothing of kvmesh's hashes), reports `usage` with
 //! cached tokens the way vLLM does, and exposes `/metrics` under vLLM's names
 //! or SGLang's (`--metrics-names`). `POST /admin/restart` and
-//! `POST /admin/reset-cache` simulate an engine restart and a cache reset.
+//! `POST /admin/reset-cache` simulate an engine restart and a cache reset;
+//! `GET /admin/last-body` returns the last inference request's body as it
+//! arrived.
 //!
 //! Timing is `kvmesh_sim::timing`, scaled by `--time-scale`: prefills one at
 //! a time, each prompt looked up when its prefill starts and its blocks
@@ -100,6 +102,9 @@ struct App {
     timing: TimingModel,
     fault: Arc<Mutex<Fault>>,
     args: Arc<Args>,
+    /// The body of the last inference request, as it arrived
+    /// (`GET /admin/last-body`): tests compare it with what the client sent.
+    last_body: Arc<Mutex<Bytes>>,
 }
 
 impl App {
@@ -148,6 +153,7 @@ async fn main() -> anyhow::Result<()> {
         timing,
         fault: Arc::new(Mutex::new(Fault::default())),
         args: Arc::new(args),
+        last_body: Arc::new(Mutex::new(Bytes::new())),
     };
     let mut routes = Router::new();
     for (path, api) in [
@@ -167,6 +173,15 @@ async fn main() -> anyhow::Result<()> {
         .route("/admin/restart", post(restart))
         .route("/admin/reset-cache", post(reset_cache))
         .route("/admin/fault", post(set_fault))
+        .route(
+            "/admin/last-body",
+            get(|State(app): State<App>| async move {
+                app.last_body
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .clone()
+            }),
+        )
         .route("/health", get(|| async { "ok" }))
         .fallback(fallback)
         // Engines take whole agent contexts (vLLM has no small body limit);
@@ -217,6 +232,7 @@ fn error(status: StatusCode, message: &str) -> Response {
 }
 
 async fn serve(app: App, api: Api, headers: HeaderMap, body: Bytes) -> Response {
+    *app.last_body.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = body.clone();
     let call = serde_json::from_slice::<Value>(&body)
         .map_err(|err| format!("invalid JSON body: {err}"))
         .and_then(|request| Call::parse(api, &request, app.args.default_output_tokens));

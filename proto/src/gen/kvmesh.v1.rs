@@ -62,6 +62,13 @@ pub struct PickRequest {
     /// message), up to where it was hashed: where a session's prefix breaks.
     #[prost(message, repeated, tag = "20")]
     pub sections: ::prost::alloc::vec::Vec<PromptSection>,
+    /// How long the client says the prefix is worth keeping, in seconds: the
+    /// longest Anthropic `cache_control` TTL of the request (`ephemeral`
+    /// alone is 5 minutes) or OpenAI `prompt_cache_retention: "24h"`. Absent
+    /// when the request declares none. At most 86400; the sidecar clamps
+    /// longer ones.
+    #[prost(uint32, optional, tag = "21")]
+    pub retention_horizon_s: ::core::option::Option<u32>,
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PromptSection {

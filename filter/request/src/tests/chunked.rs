@@ -123,12 +123,36 @@ fn a_body_in_stream_order_is_hashed_ahead() {
     let cuts: Vec<usize> = (0..body.len()).step_by(1000).collect();
     let (fed, kept) = chunked(Api::ChatCompletions, &body, &cuts, false, &config, None);
     assert_eq!(fed, understand(Api::ChatCompletions, &headers(), &body, false, &config));
-    let blocks = fed.unwrap().hashes.hashes.len();
+    let fed = fed.unwrap();
+    // Every marker of the body says ephemeral, no TTL: the default 5 min.
+    assert_eq!(fed.hints.retention_horizon_s, Some(300));
+    let blocks = fed.hashes.hashes.len();
     // All but the blocks that the last chunk completes were hashed ahead.
     assert!(
         kept >= (blocks - 8) * config.block_bytes,
         "{kept} bytes of {blocks} blocks"
     );
+}
+
+#[test]
+fn declared_horizons_and_priority_edits_match_the_one_shot_path() {
+    let config = FilterConfig {
+        priority_field: serde_json::from_value(json!({"engine": "trtllm"})).ok(),
+        ..FilterConfig::default()
+    };
+    for seed in 0..6 {
+        for model_first in [true, false] {
+            let body = with_ttls(agent_chat(12, model_first, true), seed);
+            let cuts: Vec<usize> = (0..body.len()).step_by(97).collect();
+            let (fed, _) = chunked(Api::ChatCompletions, &body, &cuts, false, &config, Some("qwen3"));
+            let one_shot = understand(Api::ChatCompletions, &headers(), &body, false, &config).unwrap();
+            let fed = fed.unwrap();
+            assert_eq!(fed, one_shot);
+            // A "2d" TTL does not read (the marker is then 5 min); "48h" is a day.
+            assert!(fed.hints.retention_horizon_s.is_some_and(|h| h >= 3600), "{seed}");
+            assert!(fed.body_edit.is_some());
+        }
+    }
 }
 
 #[test]
@@ -198,10 +222,37 @@ fn hostile_shapes_fail_as_the_one_shot_path_does() {
     }
 }
 
+/// The agent chat's `cache_control` markers, each given one of the TTLs a
+/// client may send (or a malformed one), picked by `seed`.
+fn with_ttls(body: Vec<u8>, seed: u8) -> Vec<u8> {
+    const TTLS: [&str; 6] = [
+        "",
+        r#","ttl":"5m""#,
+        r#","ttl":"1h""#,
+        r#","ttl":"90s""#,
+        r#","ttl":"2d""#,
+        r#","ttl":"48h""#,
+    ];
+    let text = String::from_utf8_lossy(&body).into_owned();
+    let mut out = String::new();
+    for (n, piece) in text.split(r#""cache_control":{"type":"ephemeral"}"#).enumerate() {
+        if n > 0 {
+            let ttl = TTLS[(usize::from(seed) + n) % TTLS.len()];
+            out.push_str(&format!(r#""cache_control":{{"type":"ephemeral"{ttl}}}"#));
+        }
+        out.push_str(piece);
+    }
+    out.into_bytes()
+}
+
 fn arb_body() -> impl Strategy<Value = (Api, Vec<u8>)> {
     let fixtures = fixture_bodies();
-    let agent = (1usize..12, any::<bool>(), any::<bool>())
-        .prop_map(|(turns, model_first, tools)| (Api::ChatCompletions, agent_chat(turns, model_first, tools)));
+    let agent = (1usize..12, any::<bool>(), any::<bool>(), any::<u8>()).prop_map(|(turns, model_first, tools, ttl)| {
+        (
+            Api::ChatCompletions,
+            with_ttls(agent_chat(turns, model_first, tools), ttl),
+        )
+    });
     let fixture = (0..fixtures.len()).prop_map(move |i| fixtures[i].clone());
     (prop_oneof![agent, fixture], any::<u8>(), any::<usize>(), any::<u8>()).prop_map(
         |((api, mut body), mutate, at, byte)| {
@@ -227,8 +278,12 @@ proptest! {
         as_api in any::<bool>(),
         likely in prop_oneof![Just(None), Just(Some("qwen3")), Just(Some("claude-sonnet-4-5"))],
         small in any::<bool>(),
+        rewrite in any::<bool>(),
     ) {
-        let config = if small { small_blocks() } else { FilterConfig::default() };
+        let mut config = if small { small_blocks() } else { FilterConfig::default() };
+        if rewrite {
+            config.priority_field = serde_json::from_value(json!({"engine": "vllm"})).ok();
+        }
         let api = if as_api { api } else { Api::Responses };
         for truncated in [false, true] {
             let one_shot = understand(api, &headers(), &body, truncated, &config);

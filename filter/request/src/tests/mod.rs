@@ -1,4 +1,6 @@
 mod chunked;
+mod priority;
+mod retention;
 mod scan;
 mod understand;
 mod usage;

@@ -44,7 +44,7 @@ fn without(value: &Value, key: &str) -> Value {
 
 fn minified(bytes: &[u8], drop: &[&str]) -> Result<Vec<u8>, ScanError> {
     let mut out = Vec::new();
-    scan::write_minified(bytes, 0..bytes.len(), drop, &mut out, usize::MAX)?;
+    scan::write_minified(bytes, 0..bytes.len(), drop, &mut out, usize::MAX, &mut |_| {})?;
     Ok(out)
 }
 
@@ -155,7 +155,7 @@ fn malformed_structure_is_an_error() {
 fn writing_stops_at_the_limit_even_inside_a_string() {
     let text = format!(r#"{{"a":"{}","b":[1,2,3]}}"#, "x".repeat(1000));
     let mut out = Vec::new();
-    scan::write_minified(text.as_bytes(), 0..text.len(), &[], &mut out, 100).unwrap();
+    scan::write_minified(text.as_bytes(), 0..text.len(), &[], &mut out, 100, &mut |_| {}).unwrap();
     assert_eq!(out.len(), 100);
     assert_eq!(&out[..], &text.as_bytes()[..100]);
 }

@@ -157,8 +157,10 @@ pub struct Args {
 pub enum Command {
     /// Print what agents gained over a window, per tenant and harness:
     /// tokens computed and reused, the GPU time saved, the cost of keeping
-    /// idle sessions warm, and the top prefix breakers. Reads a running
-    /// sidecar's admin port.
+    /// idle sessions warm, the top prefix breakers, and per harness the
+    /// return gaps, the hit rate kept, what more KV per worker would save
+    /// (an estimate) and, given prices, the managed-API cost. Reads a
+    /// running sidecar's admin port.
     Report(ReportArgs),
 }
 

@@ -169,14 +169,27 @@ async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> imp
 struct ReportQuery {
     /// Seconds of history; one hour when absent.
     window_secs: Option<u64>,
+    /// Extra KV per worker whose savings the retention section estimates.
+    extra_kv_gb: Option<f64>,
 }
 
 /// What agents gained over a window, per tenant and harness (`kvmesh-sidecar report`).
+///
+/// Under the router's lock only the return-gap histograms (about 20
+/// buckets per harness) and the idle sessions' holdings are copied; the
+/// ledger builds the report under its own lock, after.
 async fn report(State(shared): State<Shared>, Query(query): Query<ReportQuery>) -> impl IntoResponse {
     shared.tick_insights();
+    let now = now_ms();
     let window_ms = query.window_secs.unwrap_or(3600).saturating_mul(1000);
-    let report = shared.insights().report(now_ms(), window_ms);
-    axum::Json(crate::report::to_json(&report))
+    let extra_kv_gb = query
+        .extra_kv_gb
+        .filter(|gb| gb.is_finite() && *gb >= 0.0)
+        .unwrap_or(crate::retention_report::DEFAULT_EXTRA_KV_GB);
+    let probes = shared.insights().idle_probes();
+    let fleet = crate::retention_report::FleetSnapshot::take(&shared.router(), &probes);
+    let (report, retention) = crate::retention_report::build(&shared.insights(), &fleet, now, window_ms, extra_kv_gb);
+    axum::Json(crate::report::to_json(&report, retention))
 }
 
 /// Where sessions' prefixes broke since the start, most frequent first:
@@ -269,9 +282,10 @@ async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
 /// `kvmesh-sidecar report`: fetches the report and prints it.
 pub(crate) async fn fetch_report(args: ReportArgs) -> anyhow::Result<String> {
     let url = format!(
-        "{}/debug/report?window_secs={}",
+        "{}/debug/report?window_secs={}&extra_kv_gb={}",
         args.admin.trim_end_matches('/'),
-        args.window.as_secs()
+        args.window.as_secs(),
+        args.extra_kv_gb,
     );
     let client = reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(10))
@@ -289,13 +303,25 @@ pub(crate) async fn fetch_report(args: ReportArgs) -> anyhow::Result<String> {
         let body = response.text().await.unwrap_or_default();
         anyhow::bail!("{url}: HTTP {status}: {}", body.trim());
     }
-    let report: serde_json::Value = response.json().await?;
-    if args.json {
+    let mut report: serde_json::Value = response.json().await?;
+    let prices = crate::retention_report::Prices {
+        input: args.price_input,
+        cached_input: args.price_cached_input,
+        output: args.price_output,
+    };
+    if args.json && prices.input.is_none() {
         return Ok(format!("{report:#}\n"));
     }
     // A sidecar of another version may name its figures otherwise: say so
     // rather than print zeros.
-    let report: crate::report::AgentReport = serde_json::from_value(report)
+    let mut typed: crate::report::AgentReport = serde_json::from_value(report.clone())
         .map_err(|err| anyhow::anyhow!("{url}: not a report this version can read: {err}"))?;
-    Ok(crate::report::render_text(&report))
+    typed.pricing = crate::retention_report::Pricing::of(&typed.retention_by_harness, prices);
+    if args.json {
+        if let (Some(object), Some(pricing)) = (report.as_object_mut(), &typed.pricing) {
+            object.insert("pricing".to_owned(), serde_json::to_value(pricing)?);
+        }
+        return Ok(format!("{report:#}\n"));
+    }
+    Ok(crate::report::render_text(&typed))
 }

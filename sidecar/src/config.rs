@@ -157,8 +157,10 @@ pub struct Args {
 pub enum Command {
     /// Print what agents gained over a window, per tenant and harness:
     /// tokens computed and reused, the GPU time saved, the cost of keeping
-    /// idle sessions warm, and the top prefix breakers. Reads a running
-    /// sidecar's admin port.
+    /// idle sessions warm, the top prefix breakers, and per harness the
+    /// return gaps, the hit rate kept, what more KV per worker would save
+    /// (an estimate) and, given prices, the managed-API cost. Reads a
+    /// running sidecar's admin port.
     Report(ReportArgs),
 }
 
@@ -184,6 +186,32 @@ pub struct ReportArgs {
     /// Print the report as JSON instead of tables.
     #[arg(long)]
     pub(crate) json: bool,
+
+    /// GB (10^9 bytes) of extra KV per worker to estimate the savings of.
+    #[arg(long, default_value_t = crate::retention_report::DEFAULT_EXTRA_KV_GB, value_parser = parse_amount, value_name = "GB")]
+    pub(crate) extra_kv_gb: f64,
+
+    /// A managed API's input price, USD per million tokens: prices the same
+    /// traffic (from your provider's price list; no default).
+    #[arg(long, value_parser = parse_amount, value_name = "USD")]
+    pub(crate) price_input: Option<f64>,
+
+    /// Its price of cached input tokens, USD per million.
+    #[arg(long, value_parser = parse_amount, value_name = "USD")]
+    pub(crate) price_cached_input: Option<f64>,
+
+    /// Its output price, USD per million tokens. The ledger does not count
+    /// output tokens yet, so the report says it is not applied.
+    #[arg(long, value_parser = parse_amount, value_name = "USD")]
+    pub(crate) price_output: Option<f64>,
+}
+
+/// A price or a size: a finite number, zero or more.
+pub(crate) fn parse_amount(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!("{text:?} is not a number of zero or more")),
+    }
 }
 
 /// "90", "90s", "15m", "1h", "2d".

@@ -16,7 +16,9 @@
 //! - shared, below every edge: `state` (`Shared`, its lock order, `pick` and
 //!   `report`), `metrics` (Prometheus), `clock` (`now_ms`), `lock`
 //!   (poison-tolerant locking), `config` (flags, environment, file),
-//!   `auth` (the shared token), `report` (rendering the agent report).
+//!   `auth` (the shared token), `report` (rendering the agent report),
+//!   `retention_report` (its retention section: return gaps, hit rate, what
+//!   more KV would save, managed-API prices).
 //! - edges, each at one kind of I/O: `service` (gRPC), `admin` (admin HTTP
 //!   and the `report` command's client of it), `store` (Redis), `watcher`
 //!   (engine scrapes, DNS, session expiry), `kv_subscriber` (engines' KV
@@ -48,6 +50,8 @@ mod lock;
 mod metrics;
 #[cfg(feature = "server")]
 mod report;
+#[cfg(feature = "server")]
+mod retention_report;
 #[cfg(feature = "server")]
 mod service;
 #[cfg(feature = "server")]

@@ -12,6 +12,8 @@ use std::collections::BTreeMap;
 use kvmesh_core::{BreakPoint, Figures, Report, SectionKind, Totals};
 use serde::{Deserialize, Serialize};
 
+use crate::retention_report::{HarnessRetention, Pricing};
+
 /// The report as the admin server serves it and `kvmesh-sidecar report`
 /// reads it back: typed both ways, so a renamed figure fails to compile
 /// rather than print 0.
@@ -21,6 +23,12 @@ pub(crate) struct AgentReport {
     rows: Vec<Row>,
     breakers: Vec<Breaker>,
     retention: Vec<RetentionRow>,
+    /// Return gaps, hit rate and what more KV would save, per harness.
+    pub(crate) retention_by_harness: Vec<HarnessRetention>,
+    /// Added by `kvmesh-sidecar report` when given prices; the admin server
+    /// never sends it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) pricing: Option<Pricing>,
 }
 
 /// One (harness, tenant): the ledger's figures, as it names them.
@@ -75,8 +83,9 @@ fn row(harness: &str, tenant: &str, t: &Totals) -> Row {
     }
 }
 
-/// The report as the admin server serves it.
-pub(crate) fn to_json(report: &Report) -> AgentReport {
+/// The report as the admin server serves it, with its retention section
+/// (`crate::retention_report::build`).
+pub(crate) fn to_json(report: &Report, retention_by_harness: Vec<HarnessRetention>) -> AgentReport {
     let rows: Vec<Row> = report
         .rows
         .iter()
@@ -130,6 +139,8 @@ pub(crate) fn to_json(report: &Report) -> AgentReport {
         rows,
         breakers,
         retention,
+        retention_by_harness,
+        pricing: None,
     }
 }
 
@@ -243,6 +254,7 @@ pub(crate) fn render_text(report: &AgentReport) -> String {
             );
         }
     }
+    crate::retention_report::render(&mut out, &report.retention_by_harness, report.pricing.as_ref());
     out
 }
 

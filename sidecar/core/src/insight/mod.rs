@@ -636,13 +636,25 @@ impl Insights {
     /// (session, model, harness, worker, KV bytes, idle ms, recompute ms).
     /// `holdings` answers [`Insights::idle_probes`].
     pub fn idle_sessions(&self, now_ms: u64, holdings: &Holdings) -> Vec<IdleSession> {
+        self.idle_where(now_ms, holdings, true)
+    }
+
+    /// Each idle session whose worker no longer holds its prefix (evicted,
+    /// or the worker is gone), largest first: what more KV would have kept.
+    /// Sessions that held nothing are left out. `holdings` answers
+    /// [`Insights::idle_probes`].
+    pub fn evicted_idle_sessions(&self, now_ms: u64, holdings: &Holdings) -> Vec<IdleSession> {
+        self.idle_where(now_ms, holdings, false)
+    }
+
+    fn idle_where(&self, now_ms: u64, holdings: &Holdings, holding: bool) -> Vec<IdleSession> {
         let mut idle: Vec<IdleSession> = self
             .traces
             .iter()
             .filter_map(|(key, t)| {
                 let since = t.idle_since_ms?;
                 let worker = t.worker?;
-                if held(t, holdings) != Some(true) {
+                if held(t, holdings) != Some(holding) || (!holding && t.held_tokens <= 0.0) {
                     return None;
                 }
                 let (session, model) = key.split_once('\u{0}').unwrap_or((key.as_str(), ""));

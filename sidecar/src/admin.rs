@@ -8,7 +8,7 @@ use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use kvmesh_core::WorkerId;
+use kvmesh_core::{WorkerId, WorkerView};
 
 use crate::clock::now_ms;
 use crate::config::ReportArgs;
@@ -223,12 +223,22 @@ async fn readyz(State(shared): State<Shared>) -> impl IntoResponse {
 }
 
 async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
-    let workers: Vec<serde_json::Value> = shared
-        .router()
-        .workers_at(now_ms())
+    let now = now_ms();
+    let (views, retained): (Vec<WorkerView>, Vec<(usize, f64)>) = {
+        let router = shared.router();
+        let views = router.workers_at(now);
+        let retained = (0..views.len())
+            .map(|i| router.retention().worker_value(WorkerId(i), now))
+            .collect();
+        (views, retained)
+    };
+    let workers: Vec<serde_json::Value> = views
         .into_iter()
-        .map(|w| {
+        .zip(retained)
+        .map(|(w, (session_blocks, value_blocks))| {
             serde_json::json!({
+                "session_blocks": session_blocks,
+                "retained_value_blocks": value_blocks,
                 "address": w.address,
                 "state": format!("{:?}", w.state).to_lowercase(),
                 "healthy": w.healthy,

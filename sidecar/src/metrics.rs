@@ -1,9 +1,10 @@
 //! Prometheus metrics of the sidecar's decisions, served on the admin port.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvmesh_core::{Figures, Insights, Reason, Totals, WorkerView};
+use kvmesh_core::{Decision, Figures, Insights, Totals, WorkerView};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -61,6 +62,8 @@ pub(crate) struct Metrics {
     pick_seconds: Histogram,
     request_blocks: Counter,
     predicted_cached_blocks: Counter,
+    evicted_blocks: Counter,
+    evicted_value_blocks: Counter<f64, AtomicU64>,
     reports: Family<KnownLabel, Counter>,
     reported_prompt_tokens: Counter,
     reported_cached_tokens: Counter,
@@ -262,6 +265,8 @@ impl Metrics {
             )),
             request_blocks: Counter::default(),
             predicted_cached_blocks: Counter::default(),
+            evicted_blocks: Counter::default(),
+            evicted_value_blocks: Counter::default(),
             reports: Family::default(),
             reported_prompt_tokens: Counter::default(),
             reported_cached_tokens: Counter::default(),
@@ -306,6 +311,16 @@ impl Metrics {
             "predicted_cached_blocks",
             "Blocks predicted cached on the chosen worker",
             m.predicted_cached_blocks.clone(),
+        );
+        registry.register(
+            "evicted_blocks",
+            "Cached blocks the chosen placements push out of their workers",
+            m.evicted_blocks.clone(),
+        );
+        registry.register(
+            "evicted_value_blocks",
+            "Those blocks weighted by the chance their session returns: the reuse placements give up",
+            m.evicted_value_blocks.clone(),
         );
 
         registry.register(
@@ -443,7 +458,10 @@ impl Metrics {
         Self { registry, ..m }
     }
 
-    pub(crate) fn observe_pick(&self, reason: Reason, blocks: usize, predicted: u32, took: Duration) {
+    pub(crate) fn observe_pick(&self, decision: &Decision, blocks: usize, took: Duration) {
+        let (reason, predicted) = (decision.reason, decision.predicted_cached_blocks);
+        self.evicted_blocks.inc_by(u64::from(decision.evicted_blocks));
+        self.evicted_value_blocks.inc_by(decision.evicted_value_blocks.max(0.0));
         self.picks
             .get_or_create(&ReasonLabel {
                 reason: reason.as_str(),

@@ -160,12 +160,8 @@ impl Shared {
                 blocks: input.full_blocks().to_vec(),
             });
         }
-        self.metrics.observe_pick(
-            decision.reason,
-            req.block_hashes.len(),
-            decision.predicted_cached_blocks,
-            started.elapsed(),
-        );
+        self.metrics
+            .observe_pick(&decision, req.block_hashes.len(), started.elapsed());
         // Measured where the answer leaves, not assumed: the shutdown check
         // above and this one are a few microseconds apart.
         if self.draining() {
@@ -200,7 +196,7 @@ impl Shared {
                 core.prompt_tokens = None;
                 core.cached_tokens = None;
             }
-            let known = router.report(core);
+            let known = router.report_at(core, now_ms());
             let served = router.worker_id(&outcome.destination);
             (known, core, served)
         };

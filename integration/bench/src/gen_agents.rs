@@ -35,11 +35,31 @@ pub(crate) struct Options {
     /// prefill on a CPU.
     #[arg(long, default_value_t = 1.0)]
     scale: f64,
+    /// Share of tool calls that wait long (a build, a test suite, a human
+    /// approving): their wait is exponential with mean `--long-tool-ms`.
+    #[arg(long, default_value_t = 0.0)]
+    long_tool_share: f64,
+    #[arg(long, default_value_t = 60_000.0)]
+    long_tool_ms: f64,
+    /// Share of root sessions that stop early, after a uniform number of
+    /// turns (their subagents with them, if before the fan-out).
+    #[arg(long, default_value_t = 0.0)]
+    early_end_share: f64,
+    /// Share of sessions (roots and subagents) whose last call says it is
+    /// the last (`"session_final": true`, sent as `x-dynamo-session-final`).
+    #[arg(long, default_value_t = 0.0)]
+    final_share: f64,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Output file (stdout without it).
     #[arg(long)]
     out: Option<PathBuf>,
+}
+
+/// With the default shares of 0 no random number is drawn for them, so
+/// traces made before these options existed stay the same.
+fn chance(rng: &mut Rng, share: f64) -> bool {
+    share > 0.0 && ((rng.next() >> 11) as f64 / (1u64 << 53) as f64) < share
 }
 
 /// xorshift64*: seeded and reproducible.
@@ -107,6 +127,7 @@ struct Line {
     output: String,
     session: String,
     parent: Option<String>,
+    session_final: bool,
 }
 
 pub(crate) fn run(o: Options) -> anyhow::Result<()> {
@@ -131,7 +152,13 @@ pub(crate) fn run(o: Options) -> anyhow::Result<()> {
         let mut context = format!("{system}<repo session {s}>\n{}\n", words(&mut rng, n(1500), CODE));
         let mut at = start;
         let fan_out_at = o.turns / 2;
-        for turn in 0..o.turns {
+        let turns = if chance(&mut rng, o.early_end_share) {
+            1 + rng.below(o.turns.saturating_sub(1) as u64) as usize
+        } else {
+            o.turns
+        };
+        let says_final = chance(&mut rng, o.final_share);
+        for turn in 0..turns {
             context.push_str(&format!("<user turn {turn}> {}\n", words(&mut rng, n(40), PROSE)));
             let output = format!("<tool_call read_file src/m{turn}.rs> {}", words(&mut rng, n(30), PROSE));
             lines.push(Line {
@@ -140,9 +167,16 @@ pub(crate) fn run(o: Options) -> anyhow::Result<()> {
                 output: output.clone(),
                 session: session.clone(),
                 parent: None,
+                session_final: says_final && turn + 1 == turns,
             });
-            // Think time, then the tool's own time.
-            at += rng.exp(1500.0) + rng.exp(800.0);
+            // Think time, then the tool's own time (drawn in this order).
+            let think_ms = rng.exp(1500.0);
+            let tool_ms = if chance(&mut rng, o.long_tool_share) {
+                rng.exp(o.long_tool_ms)
+            } else {
+                rng.exp(800.0)
+            };
+            at += think_ms + tool_ms;
             let result_words = n(300 + rng.below(600) as usize);
             context.push_str(&format!(
                 "{output}\n<tool_result>\n{}\n",
@@ -159,6 +193,7 @@ pub(crate) fn run(o: Options) -> anyhow::Result<()> {
                         format!("{system}<subagent task {k}> {}\n", words(&mut rng, n(200), PROSE))
                     };
                     let mut child_at = at + rng.exp(50.0);
+                    let child_final = chance(&mut rng, o.final_share);
                     for t in 0..o.subagent_turns {
                         let output = format!("<tool_call grep {t}> {}", words(&mut rng, n(20), PROSE));
                         lines.push(Line {
@@ -167,6 +202,7 @@ pub(crate) fn run(o: Options) -> anyhow::Result<()> {
                             output: output.clone(),
                             session: child.clone(),
                             parent: Some(session.clone()),
+                            session_final: child_final && t + 1 == o.subagent_turns,
                         });
                         child_at += rng.exp(600.0) + rng.exp(300.0);
                         child_context
@@ -185,6 +221,9 @@ pub(crate) fn run(o: Options) -> anyhow::Result<()> {
         let mut v = json!({"timestamp": (l.at_ms * 1000.0).round() as u64, "input": l.input, "output": l.output, "session_id": l.session});
         if let Some(parent) = &l.parent {
             v["parent_session_id"] = json!(parent);
+        }
+        if l.session_final {
+            v["session_final"] = json!(true);
         }
         writeln!(out, "{v}")?;
     }

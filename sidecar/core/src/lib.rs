@@ -13,6 +13,7 @@ mod index;
 mod insight;
 mod lru;
 mod models;
+pub mod retention;
 mod router;
 mod sessions;
 mod usage;

@@ -148,6 +148,17 @@ impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
         self.order.clear();
     }
 
+    /// Every entry, least recently used first (stale queue entries are
+    /// skipped: at most about as many as there are live ones).
+    pub fn iter_oldest(&self) -> impl Iterator<Item = (&K, &V)> {
+        self.order.iter().filter_map(|(stamp, key)| {
+            self.entries
+                .get_key_value(key)
+                .filter(|(_, (s, _))| s == stamp)
+                .map(|(k, (_, v))| (k, v))
+        })
+    }
+
     /// Every entry, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
         self.entries.iter().map(|(k, (_, v))| (k, v))

@@ -149,6 +149,10 @@ impl SimFleet<'_> {
     }
 }
 
+/// A call sent this long after its session's previous call ended returns
+/// from a long tool wait (its KV had that long to be evicted).
+const LONG_GAP_MS: f64 = 30_000.0;
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -252,7 +256,7 @@ pub(crate) fn run_policy(
         }
         if done_at <= world_at && done_at <= release_at {
             if let Some(c) = pending.pop() {
-                policy.completed(c.worker, &prepared[c.index], c.cached, c.ttft);
+                policy.completed(c.worker, &prepared[c.index], c.cached, c.ttft, c.end);
                 c.report_to(&mut insights, prepared);
             }
             continue;
@@ -340,15 +344,30 @@ pub(crate) fn run_policy(
     // where its previous call went.
     let mut last: HashMap<&str, usize> = HashMap::new();
     let (mut follow_ups, mut same) = (0usize, 0usize);
-    for (r, s) in prepared.iter().zip(&served) {
+    // Continuing calls (a session's second and later), and those sent
+    // `LONG_GAP_MS` or more after their session's previous call ended.
+    let mut previous_end: HashMap<&str, f64> = HashMap::new();
+    let mut continuing_ttft: Vec<f64> = Vec::new();
+    let (mut long_gap_calls, mut long_gap_prompt, mut long_gap_cached) = (0usize, 0u64, 0u64);
+    for ((r, s), call) in prepared.iter().zip(&served).zip(calls.iter()) {
         if r.session.is_empty() {
             continue;
         }
         if let Some(prev) = last.insert(&r.session, s.worker) {
             follow_ups += 1;
             same += usize::from(prev == s.worker);
+            continuing_ttft.push(s.ttft_ms);
+        }
+        let sent_at = call.as_ref().map_or(f64::NAN, |(sent, _)| *sent);
+        if let Some(end) = previous_end.insert(&r.session, s.end_ms)
+            && sent_at - end >= LONG_GAP_MS
+        {
+            long_gap_calls += 1;
+            long_gap_prompt += s.prompt_tokens;
+            long_gap_cached += s.cached_tokens;
         }
     }
+    continuing_ttft.sort_by(f64::total_cmp);
     // Idle sessions are charged up to the end.
     let sim_fleet = SimFleet {
         world: &world,
@@ -386,6 +405,9 @@ pub(crate) fn run_policy(
         "ttft_p99_ms": percentile(&ttft, 0.99),
         "throughput_tok_s": output as f64 / makespan_s.max(1e-9),
         "imbalance": imbalance,
+        "ttft_p99_continuing_ms": if continuing_ttft.is_empty() { serde_json::Value::Null } else { json!(percentile(&continuing_ttft, 0.99)) },
+        "long_gap_calls": long_gap_calls,
+        "long_gap_hit_rate": if long_gap_prompt == 0 { serde_json::Value::Null } else { json!(long_gap_cached as f64 / long_gap_prompt as f64) },
         "session_affinity": if follow_ups == 0 { serde_json::Value::Null } else { json!(same as f64 / follow_ups as f64) },
         // The figures the sidecar's report and metrics give a live
         // deployment, from the same ledger.
@@ -546,6 +568,30 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
                 .map_or("-".to_owned(), |a| format!("{a:.2}")),
         );
     }
+    // Retention: how continuing calls and returns from long waits fared.
+    println!(
+        "\n| policy | prefill tokens | TTFT p99 of continuing calls | calls after a gap ≥ 30 s | their hit rate |"
+    );
+    println!("|---|---|---|---|---|");
+    for name in &names {
+        let Some(r) = results.get(name) else { continue };
+        let fig = |key: &str, digits: usize, unit: &str| summary::cell(r, key, digits, unit, several);
+        println!(
+            "| {name} | {} | {} | {} | {} |",
+            fig("prefill_tokens", 0, ""),
+            if r["ttft_p99_continuing_ms"].is_null() {
+                "-".to_owned()
+            } else {
+                fig("ttft_p99_continuing_ms", 0, " ms")
+            },
+            fig("long_gap_calls", 0, ""),
+            if r["long_gap_hit_rate"].is_null() {
+                "-".to_owned()
+            } else {
+                fig("long_gap_hit_rate", 3, "")
+            },
+        );
+    }
     // The same figures the sidecar's report gives a live deployment.
     println!(
         "\n| policy | repeated prefix | reachable cached | reported cached | same worker | r/w ratio | prefix breaks | GPU s saved | idle KV GB·s |"
@@ -614,6 +660,7 @@ mod tests {
                     parent: String::new(),
                     text: context.clone(),
                     output_tokens: 20,
+                    session_final: false,
                 });
             }
         }
@@ -624,6 +671,7 @@ mod tests {
                 parent: "s0".to_owned(),
                 text: "subagent ".repeat(4000 + turn * 100),
                 output_tokens: 20,
+                session_final: false,
             });
         }
         requests.sort_by(|a, b| a.at_ms.total_cmp(&b.at_ms));

@@ -24,16 +24,17 @@ use super::world::{Prepared, View};
 pub(crate) trait Policy {
     fn pick(&mut self, request: &Prepared, view: &View<'_>) -> usize;
     /// The request finished at `view.now` on `worker` (outcome feedback).
-    fn completed(&mut self, _worker: usize, _request: &Prepared, _cached_tokens: u64, _ttft_ms: f64) {}
+    fn completed(&mut self, _worker: usize, _request: &Prepared, _cached_tokens: u64, _ttft_ms: f64, _now_ms: f64) {}
     /// Each engine has a host tier of `tokens` (told before the first pick,
     /// as KV events with medium CPU would tell kvmesh's sidecar that a tier
     /// exists). Only kvmesh's index listens; the peers' ports have no tier.
     fn host_tier(&mut self, _tokens: u64) {}
 }
 
-pub(crate) const ALL: [&str; 11] = [
+pub(crate) const ALL: [&str; 12] = [
     "kvmesh",
     "kvmesh_oracle",
+    "kvmesh_no_retention",
     "dynamo",
     "dynamo_agents",
     "llm_d_precise",
@@ -57,9 +58,20 @@ pub(crate) fn make(
         let scale: f64 = scale.parse().ok().filter(|s: &f64| s.is_finite() && *s >= 0.0)?;
         return Some(Box::new(Dynamo::agents(workers, scale, seed)));
     }
-    for (prefix, overlaps) in [("kvmesh_oracle", Overlaps::Oracle), ("kvmesh", Overlaps::Index)] {
+    // `kvmesh_no_retention`: kvmesh with the eviction term it had before
+    // retention (every cached token the same), everything else equal.
+    for (prefix, overlaps, retention) in [
+        ("kvmesh_oracle", Overlaps::Oracle, true),
+        ("kvmesh_no_retention", Overlaps::Index, false),
+        ("kvmesh", Overlaps::Index, true),
+    ] {
         if let Some(overrides) = name.strip_prefix(prefix).filter(|o| o.is_empty() || o.starts_with('@')) {
-            let config = kvmesh_config(overrides, prefill_rate)?;
+            let base = if retention {
+                RouterConfig::default()
+            } else {
+                RouterConfig::without_retention()
+            };
+            let config = kvmesh_config(base, overrides, prefill_rate)?;
             return Some(Box::new(Kvmesh::new(workers, capacity_tokens, config, overlaps)));
         }
     }
@@ -214,14 +226,17 @@ impl Policy for Kvmesh {
         }
     }
 
-    fn completed(&mut self, _worker: usize, r: &Prepared, cached_tokens: u64, ttft_ms: f64) {
+    fn completed(&mut self, _worker: usize, r: &Prepared, cached_tokens: u64, ttft_ms: f64, now_ms: f64) {
         if let Some(pick_id) = self.picks.remove(&r.index) {
-            self.router.report(Outcome {
-                pick_id,
-                prompt_tokens: Some(r.prompt_tokens),
-                cached_tokens: Some(cached_tokens),
-                ttfb_ms: ttft_ms.round() as u32,
-            });
+            self.router.report_at(
+                Outcome {
+                    pick_id,
+                    prompt_tokens: Some(r.prompt_tokens),
+                    cached_tokens: Some(cached_tokens),
+                    ttfb_ms: ttft_ms.round() as u32,
+                },
+                now_ms as u64,
+            );
         }
     }
 }
@@ -231,13 +246,17 @@ impl Policy for Kvmesh {
 /// then `@name=value` overrides from the policy's name, for tuning sweeps
 /// (`kvmesh@recent_prefill_weight=0.1@session_weight=1024`). `None` for a
 /// name or value it does not know.
-fn kvmesh_config(overrides: &str, prefill_rate: f64) -> Option<RouterConfig> {
+fn kvmesh_config(base: RouterConfig, overrides: &str, prefill_rate: f64) -> Option<RouterConfig> {
     let mut c = RouterConfig {
         default_prefill_tokens_per_ms: prefill_rate,
-        ..RouterConfig::default()
+        ..base
     };
     for pair in overrides.split('@').filter(|p| !p.is_empty()) {
         let (name, value) = pair.split_once('=')?;
+        if name == "retention" {
+            c.retention = value != "0";
+            continue;
+        }
         let value: f64 = value.parse().ok().filter(|v: &f64| v.is_finite() && *v >= 0.0)?;
         let field = match name {
             "prefill_weight" => &mut c.prefill_weight,
@@ -335,6 +354,7 @@ mod tests {
             parent: parent.to_owned(),
             text: text.to_owned(),
             output_tokens,
+            session_final: false,
         };
         prepare(index, &r, &FilterConfig::default()).unwrap()
     }
@@ -440,7 +460,7 @@ mod tests {
         let first = request(0, "agent-1", &base, 1);
         let w = kvmesh.pick(&first, &world.view(0.0));
         let served = world.serve(w, &first, 0.0);
-        kvmesh.completed(w, &first, served.cached_tokens, served.ttft_ms);
+        kvmesh.completed(w, &first, served.cached_tokens, served.ttft_ms, 0.0);
         let next = request(1, "agent-1", &(base + " and one more tool result"), 1);
         assert_eq!(kvmesh.pick(&next, &world.view(10_000.0)), w);
     }
@@ -457,19 +477,24 @@ mod tests {
         // Served elsewhere (as if the pick had failed over).
         let elsewhere = (believed + 1) % 3;
         let served = world.serve(elsewhere, &first, 0.0);
-        oracle.completed(elsewhere, &first, served.cached_tokens, served.ttft_ms);
+        oracle.completed(elsewhere, &first, served.cached_tokens, served.ttft_ms, 0.0);
         let next = request(1, "b", &(doc + " and one more turn"), 1);
         assert_eq!(oracle.pick(&next, &world.view(60_000.0)), elsewhere);
     }
 
     #[test]
     fn kvmesh_takes_config_overrides_for_sweeps_and_refuses_unknown_ones() {
-        assert!(kvmesh_config("", 20.0).is_some());
-        let c = kvmesh_config("@recent_prefill_weight=0.1@session_weight=1024", 20.0).unwrap();
+        assert!(kvmesh_config(RouterConfig::default(), "", 20.0).is_some());
+        let c = kvmesh_config(
+            RouterConfig::default(),
+            "@recent_prefill_weight=0.1@session_weight=1024",
+            20.0,
+        )
+        .unwrap();
         assert_eq!((c.recent_prefill_weight, c.session_weight), (0.1, 1024.0));
         assert_eq!(c.default_prefill_tokens_per_ms, 20.0);
         for bad in ["@nope=1", "@session_weight=-1", "@session_weight=x", "@session_weight"] {
-            assert!(kvmesh_config(bad, 20.0).is_none(), "{bad}");
+            assert!(kvmesh_config(RouterConfig::default(), bad, 20.0).is_none(), "{bad}");
         }
         assert!(make("kvmesh@move_margin=0.5", 2, 1000, 1, 20.0).is_some());
         assert!(make("kvmesh_oracle@move_margin=0.5", 2, 1000, 1, 20.0).is_some());

@@ -146,6 +146,7 @@ mod tests {
             parent: parent.to_owned(),
             text: String::new(),
             output_tokens: 1,
+            session_final: false,
         }
     }
 

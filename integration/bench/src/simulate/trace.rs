@@ -19,6 +19,8 @@ pub(crate) struct Request {
     /// The whole prompt as text (as the harness would send it).
     pub(crate) text: String,
     pub(crate) output_tokens: u32,
+    /// The session ends with this call (sent as `x-dynamo-session-final`).
+    pub(crate) session_final: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -76,6 +78,7 @@ fn load_mooncake(path: &Path, block_tokens: usize) -> anyhow::Result<Vec<Request
             at_ms: v["timestamp"].as_f64().unwrap_or(0.0),
             session: String::new(),
             parent: String::new(),
+            session_final: false,
             text: prompt,
             output_tokens: u32::try_from(v["output_length"].as_u64().unwrap_or(1))
                 .unwrap_or(u32::MAX)
@@ -98,6 +101,7 @@ fn load_text_file(path: &Path, out: &mut Vec<Request>) -> anyhow::Result<()> {
             at_ms: v["timestamp"].as_f64().unwrap_or(0.0) / 1000.0,
             session: v["session_id"].as_str().unwrap_or_default().to_owned(),
             parent: v["parent_session_id"].as_str().unwrap_or_default().to_owned(),
+            session_final: v["session_final"].as_bool().unwrap_or(false),
             text: input.to_owned(),
             output_tokens: u32::try_from((output.len() / BYTES_PER_TOKEN).max(1)).unwrap_or(u32::MAX),
         });

@@ -25,6 +25,7 @@ pub(crate) struct Prepared {
     pub(crate) index: usize,
     pub(crate) session: String,
     pub(crate) parent: String,
+    pub(crate) session_final: bool,
     pub(crate) text: String,
     /// kvmesh's view: the filter's own canonicalization and hashes.
     pub(crate) hashes: Vec<u64>,
@@ -51,6 +52,7 @@ impl Prepared {
             session_id: &self.session,
             parent_id: &self.parent,
             model: "sim",
+            session_final: self.session_final,
             now_ms,
             ..kvmesh_core::PickInput::default()
         }
@@ -70,12 +72,16 @@ pub(crate) fn prepare(index: usize, r: &Request, config: &FilterConfig) -> anyho
     if !r.parent.is_empty() {
         headers.push(("x-parent-session-id".to_owned(), r.parent.clone()));
     }
+    if r.session_final {
+        headers.push(("x-dynamo-session-final".to_owned(), "true".to_owned()));
+    }
     let understood = understand(Api::ChatCompletions, &headers, &bytes, false, config)?;
     let call = Call::parse(SimApi::Chat, &body, r.output_tokens).map_err(anyhow::Error::msg)?;
     Ok(Prepared {
         index,
         session: understood.identity.session_id,
         parent: understood.identity.parent_id,
+        session_final: understood.identity.session_final,
         text: r.text.clone(),
         hashes: understood.hashes.hashes,
         last_block_partial: understood.hashes.last_partial,

@@ -20,7 +20,8 @@ pub struct Cost {
     pub sessions: f64,
     /// `recent_weight · recent_prefill(w)`, for a new session only.
     pub recent: f64,
-    /// `eviction_weight · tokens_evicted(w)` by placing the new blocks.
+    /// `eviction_weight · tokens_evicted(w)` by placing the new blocks,
+    /// each weighted by the chance its session returns (see `retention`).
     pub eviction: f64,
     /// `move_margin · request_tokens` off a continuing session's home.
     pub hysteresis: f64,
@@ -42,8 +43,9 @@ pub(super) struct CostFacts {
     pub(super) active_kv_tokens: f64,
     pub(super) recent_prefill_tokens: f64,
     pub(super) live_sessions: u32,
-    /// Cached blocks placing the request's new blocks would push out.
-    pub(super) overflow_blocks: usize,
+    /// Cached blocks placing the request's new blocks would push out,
+    /// each weighted by its retention value (1 each without retention).
+    pub(super) evicted_blocks: f64,
     /// The session has no home yet.
     pub(super) new_session: bool,
     /// The worker is the session's home.
@@ -111,7 +113,7 @@ pub(super) fn cost(c: &RouterConfig, f: &CostFacts) -> Cost {
         } else {
             0.0
         },
-        eviction: c.eviction_weight * f.overflow_blocks as f64 * f.block_tokens,
+        eviction: c.eviction_weight * f.evicted_blocks * f.block_tokens,
         hysteresis: if f.at_home {
             c.move_margin * f.request_tokens
         } else {

@@ -132,6 +132,11 @@ pub struct Decision {
     pub cost: Cost,
     /// The longest overlap on any worker that could take the request.
     pub best_overlap: u32,
+    /// Cached blocks placing the request on the chosen worker pushes out,
+    /// and those blocks weighted by the chance their session returns
+    /// (the reuse the placement gives up; see `retention`).
+    pub evicted_blocks: u32,
+    pub evicted_value_blocks: f64,
     /// Per worker, by id: the leading full blocks of the request it held
     /// when the choice was made (before this pick placed them).
     pub overlaps: Vec<usize>,

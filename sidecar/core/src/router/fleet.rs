@@ -155,6 +155,8 @@ pub(super) struct Pending {
     /// At most `kvmesh_vocab::limits::MAX_ID_BYTES` (the sidecar rejects
     /// longer), for at most `max_pending_picks` picks.
     pub(super) model: String,
+    /// Its routing key, for the retention of its session.
+    pub(super) session: String,
     /// Its load was already taken off the worker (see `pick`).
     pub(super) released: bool,
     pub(super) at_ms: u64,
@@ -239,6 +241,7 @@ impl Router {
         }
         self.index.clear_worker(id);
         self.sessions.evict_worker(id);
+        self.retention.clear_worker(id);
     }
 
     /// The engine restarted or reset its cache: nothing is cached there.
@@ -248,6 +251,7 @@ impl Router {
     /// engine's own figure.
     pub fn restart(&mut self, id: WorkerId) -> usize {
         let dropped = self.index.clear_worker(id);
+        self.retention.clear_worker(id);
         if let Some(worker) = self.workers.get(id.0) {
             let ceiling = worker.capacity_ceiling;
             self.index.set_capacity(id, ceiling);

@@ -47,6 +47,16 @@ impl Router {
     ///
     /// Usage that fails [`Router::check_usage`] releases the pick but
     /// teaches nothing.
+    /// `report` of an outcome that arrived at `answered_ms`: the session's
+    /// idle time (what retention learns) starts there.
+    pub fn report_at(&mut self, outcome: Outcome, answered_ms: u64) -> bool {
+        if let Some(p) = self.pending.get(&outcome.pick_id) {
+            let session = p.session.clone();
+            self.retention.on_answer(&session, answered_ms);
+        }
+        self.report(outcome)
+    }
+
     pub fn report(&mut self, outcome: Outcome) -> bool {
         let usage_ok = self.check_usage(&outcome).is_ok();
         let Some(p) = self.pending.remove(&outcome.pick_id) else {

@@ -4,4 +4,5 @@ mod engine_events;
 mod host_tier;
 mod index_model;
 mod insight_ledger;
+mod retention;
 mod wire_numbers;

@@ -263,7 +263,7 @@ impl Policy for Dynamo {
         chosen
     }
 
-    fn completed(&mut self, _worker: usize, r: &Prepared, _cached_tokens: u64, _ttft_ms: f64) {
+    fn completed(&mut self, _worker: usize, r: &Prepared, _cached_tokens: u64, _ttft_ms: f64, _now_ms: f64) {
         self.running.free(r.index);
         if let Some(agents) = &mut self.agents {
             agents.lease_ended(r.index);
@@ -337,7 +337,7 @@ mod tests {
         let mut agents = Dynamo::agents(2, 1.0, 1);
         let first = request(0, "s1", &text(1, 4), 1);
         let w = agents.pick(&first, &world.view(0.0));
-        agents.completed(w, &first, 0, 0.0);
+        agents.completed(w, &first, 0, 0.0, 0.0);
         // Make `w` the expensive worker: 5,000 running blocks no one shares.
         agents.running.add(99, w, (10_000..15_000).collect());
         let idle = |index: usize| request(index, "", &text(index, 1), 1);
@@ -349,8 +349,8 @@ mod tests {
         // A child's first call goes where its parent is bound.
         let sub = child(3, "s1-sub", "s1", &text(3, 4), 1);
         assert_eq!(agents.pick(&sub, &world.view(500_001.0)), w);
-        agents.completed(w, &again, 0, 0.0);
-        agents.completed(w, &sub, 0, 0.0);
+        agents.completed(w, &again, 0, 0.0, 0.0);
+        agents.completed(w, &sub, 0, 0.0, 0.0);
         // Idle from 500.002 s: bound until 1,100.002 s (a child still seeded
         // there at 1,100.001 s)...
         assert_ne!(agents.pick(&idle(4), &world.view(500_002.0)), w);
@@ -369,7 +369,7 @@ mod tests {
         for seed in 0..8 {
             let mut agents = Dynamo::agents(2, 1.0, seed);
             let w = agents.pick(&doc, &world.view(0.0));
-            agents.completed(w, &doc, 0, 0.0);
+            agents.completed(w, &doc, 0, 0.0, 0.0);
             let side = agents.agents.as_ref().unwrap();
             assert_eq!(side.predicted_overlap(w, &blocks, 4_999.0), blocks.len());
             assert_eq!(side.predicted_overlap(w, &blocks, 5_000.0), 0);

@@ -155,7 +155,7 @@ impl Policy for GieApproxPrefix {
         chosen
     }
 
-    fn completed(&mut self, _worker: usize, r: &Prepared, _cached_tokens: u64, _ttft_ms: f64) {
+    fn completed(&mut self, _worker: usize, r: &Prepared, _cached_tokens: u64, _ttft_ms: f64, _now_ms: f64) {
         self.running.free(r.index);
     }
 }
@@ -191,7 +191,7 @@ mod tests {
         let running = vllm_kv_cache_usage(&gie.running, w, &world.view(0.0));
         assert_eq!(running, blocks as f64 / 255.0);
         // Finished: its blocks stay cached on the engine, but are free.
-        gie.completed(w, &r, served.cached_tokens, served.ttft_ms);
+        gie.completed(w, &r, served.cached_tokens, served.ttft_ms, 0.0);
         let view = world.view(served.end_ms + 1.0);
         assert!(view.kv_usage(w) > 0.0);
         assert_eq!(vllm_kv_cache_usage(&gie.running, w, &view), 0.0);
@@ -231,7 +231,7 @@ mod tests {
         let mut gie = GieApproxPrefix::new(2, 1);
         let doc = text(3, 8);
         let first = gie.pick(&request(0, "", &doc, 1), &world.view(0.0));
-        gie.completed(first, &request(0, "", &doc, 1), 0, 0.0);
+        gie.completed(first, &request(0, "", &doc, 1), 0, 0.0, 0.0);
         assert_eq!(gie.pick(&request(1, "", &doc, 1), &world.view(0.0)), first);
     }
 }

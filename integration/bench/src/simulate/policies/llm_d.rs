@@ -61,7 +61,7 @@ impl Policy for LlmDPrecise {
         chosen
     }
 
-    fn completed(&mut self, _worker: usize, r: &Prepared, _cached_tokens: u64, _ttft_ms: f64) {
+    fn completed(&mut self, _worker: usize, r: &Prepared, _cached_tokens: u64, _ttft_ms: f64, _now_ms: f64) {
         self.running.free(r.index);
     }
 }

@@ -390,6 +390,10 @@ impl PrefixIndex {
             }
             return;
         };
+        // Host-only blocks are counted only when some worker has one: an
+        // index without host tiers walks as fast as before (the count costs
+        // a node read per matched block).
+        let tiered = self.hosts.iter().any(|h| h.len > 0);
         // Block 0: every holder starts a run.
         let mut node = self.first_of(first_hash).unwrap_or(NIL);
         while node != NIL {
@@ -426,7 +430,9 @@ impl PrefixIndex {
                 if let Some(next) = next {
                     self.cursor[w as usize] = next;
                     self.last_match[w as usize] = i as u32;
-                    self.host_run[w as usize] += u32::from(self.nodes[next as usize].host_only());
+                    if tiered {
+                        self.host_run[w as usize] += u32::from(self.nodes[next as usize].host_only());
+                    }
                     self.alive[keep] = w;
                     keep += 1;
                 }
@@ -434,23 +440,20 @@ impl PrefixIndex {
             self.alive.truncate(keep);
         }
         // Every worker that started a run ends it at its last match.
+        let mut host_only = host_only;
+        if let Some(host_only) = host_only.as_deref_mut() {
+            host_only.clear();
+            host_only.resize(self.workers.len(), 0);
+        }
         let mut node = self.first_of(first_hash).unwrap_or(NIL);
         while node != NIL {
             let n = self.nodes[node as usize];
             let w = n.worker() as usize;
             overlaps[w] = self.last_match[w] as usize + 1;
-            node = n.next_holder;
-        }
-        if let Some(host_only) = host_only {
-            host_only.clear();
-            host_only.resize(self.workers.len(), 0);
-            let mut node = self.first_of(first_hash).unwrap_or(NIL);
-            while node != NIL {
-                let n = self.nodes[node as usize];
-                let w = n.worker() as usize;
+            if tiered && let Some(host_only) = host_only.as_deref_mut() {
                 host_only[w] = self.host_run[w] as usize;
-                node = n.next_holder;
             }
+            node = n.next_holder;
         }
     }
 

@@ -325,6 +325,19 @@ fn start_vllm_workers(
 }
 
 impl Cluster {
+    /// What every test of hostile or unusual input must leave behind in
+    /// Envoy's log: no Wasm VM lost, nothing panicked, no trap.
+    pub fn assert_no_vm_failure(&self) {
+        let log = self.envoy.log();
+        for needle in ["Function: proxy_on_", "panicked", "wasm trap"] {
+            assert!(
+                !log.contains(needle),
+                "Envoy logged {needle:?}:\n{}",
+                self.envoy.log_tail()
+            );
+        }
+    }
+
     pub async fn start(options: ClusterOptions) -> anyhow::Result<Self> {
         let dir = scratch_dir()?;
         let mut workers = Vec::new();

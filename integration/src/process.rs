@@ -144,6 +144,12 @@ impl Process {
         }
     }
 
+    /// The whole log without terminal colour codes (`ESC [ ... letter`),
+    /// which tracing may write even to a file.
+    pub fn plain_log(&self) -> String {
+        without_colour(&self.log())
+    }
+
     /// The last lines of the process's stderr log, for failure messages.
     pub fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
@@ -219,6 +225,24 @@ impl Drop for Process {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// `text` without terminal colour codes (`ESC [ ... letter`).
+pub fn without_colour(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -104,17 +104,6 @@ fn assert_inserted(sent: &[u8], received: &[u8], value: &str, case: &str) {
     );
 }
 
-fn assert_no_vm_failure(cluster: &Cluster) {
-    let log = cluster.envoy.log();
-    for needle in ["Function: proxy_on_", "panicked", "wasm trap"] {
-        assert!(
-            !log.contains(needle),
-            "Envoy logged {needle:?}:\n{}",
-            cluster.envoy.log_tail()
-        );
-    }
-}
-
 async fn priority_counter(cluster: &Cluster, name: &str) -> anyhow::Result<u64> {
     cluster
         .envoy_counter(&format!("wasmcustom.kvmesh.priority.{name}"))
@@ -188,7 +177,7 @@ async fn each_engine_receives_its_field_and_polarity_and_every_other_byte_as_sen
             cluster.envoy_counter("wasmcustom.kvmesh.priority.not_written").await?,
             0
         );
-        assert_no_vm_failure(&cluster);
+        cluster.assert_no_vm_failure();
     }
     Ok(())
 }
@@ -271,7 +260,7 @@ async fn hostile_priorities_are_clamped_or_dropped_never_forwarded_raw() -> anyh
         priority_counter(&cluster, "written").await?,
         (cases.len() + raw_cases.len()) as u64
     );
-    assert_no_vm_failure(&cluster);
+    cluster.assert_no_vm_failure();
     Ok(())
 }
 
@@ -295,24 +284,6 @@ async fn with_rewriting_off_bodies_reach_the_engine_untouched() -> anyhow::Resul
     assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.priority.written").await?, 0);
     assert!(cluster.envoy_counter("wasmcustom.kvmesh.picks").await? >= bodies.len() as u64);
     Ok(())
-}
-
-/// Drops ANSI colour codes from a log line.
-fn plain(text: &str) -> String {
-    let mut out = String::new();
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -353,7 +324,7 @@ async fn the_declared_retention_horizon_reaches_the_sidecar() -> anyhow::Result<
     }
     let chat = br#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"user":"no-marker"}"#;
     assert_eq!(post(&cluster, "/v1/chat/completions", &[], chat).await?.status, 200);
-    let log = plain(&cluster.sidecar.log());
+    let log = cluster.sidecar.plain_log();
     let horizon_of = |session: &str| {
         log.lines()
             .filter(|line| line.contains(" pick") && line.contains(&format!("session={session} ")))

@@ -28,18 +28,6 @@ fn chat_body(session: &AgentSession, turn: usize) -> anyhow::Result<Vec<u8>> {
     Ok(serde_json::to_vec(&session.call(turn))?)
 }
 
-/// What every hostile case must leave behind: no VM lost, nothing panicked.
-fn assert_no_vm_failure(cluster: &Cluster) {
-    let log = cluster.envoy.log();
-    for needle in ["Function: proxy_on_", "panicked", "wasm trap"] {
-        assert!(
-            !log.contains(needle),
-            "Envoy logged {needle:?}:\n{}",
-            cluster.envoy.log_tail()
-        );
-    }
-}
-
 /// A routed request: answered by a worker that the sidecar named.
 fn assert_routed(reply: &Reply, case: &str) {
     assert_eq!(reply.status, 200, "{case}: {}", reply.body);
@@ -99,7 +87,7 @@ async fn bytes_that_are_not_utf8_never_panic_the_filter_and_never_reopen_steerin
                 )
                 .await?;
             turn += 1;
-            assert_no_vm_failure(&cluster);
+            cluster.assert_no_vm_failure();
             if name == "content-type" {
                 // Not a JSON content type: passed through, unrouted.
                 assert_eq!(reply.status, 200, "{case}: {}", reply.body);
@@ -126,7 +114,7 @@ async fn bytes_that_are_not_utf8_never_panic_the_filter_and_never_reopen_steerin
             )
             .await?;
         assert_routed(&reply, "a response content type that is not UTF-8");
-        assert_no_vm_failure(&cluster);
+        cluster.assert_no_vm_failure();
         turn += 1;
     }
 
@@ -134,7 +122,7 @@ async fn bytes_that_are_not_utf8_never_panic_the_filter_and_never_reopen_steerin
     // trailers, so the filter lets such a request pass unrouted, unharmed.
     let status = post_with_trailer(&cluster, &chat_body(&session, turn)?, b"\xff\xfe").await?;
     assert_eq!(status, 200);
-    assert_no_vm_failure(&cluster);
+    cluster.assert_no_vm_failure();
 
     // A header *name* with such a byte never reaches the Wasm filter:
     // Envoy's codec refuses the request itself.
@@ -174,7 +162,7 @@ async fn bytes_that_are_not_utf8_never_panic_the_filter_and_never_reopen_steerin
             "a forged destination steered"
         );
     }
-    assert_no_vm_failure(&cluster);
+    cluster.assert_no_vm_failure();
     assert!(
         cluster
             .envoy_counter("wasmcustom.kvmesh.forged_destination_removed")
@@ -263,6 +251,6 @@ async fn a_5_mb_model_name_fails_open_alone_and_the_stream_stays_up() -> anyhow:
         0
     );
     assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.sidecar.unary_calls").await?, 0);
-    assert_no_vm_failure(&cluster);
+    cluster.assert_no_vm_failure();
     Ok(())
 }

@@ -198,8 +198,17 @@ impl Shared {
                 core.prompt_tokens = None;
                 core.cached_tokens = None;
             }
-            let known = router.report_at(core, now_ms());
             let served = router.worker_id(&outcome.destination);
+            // A call Envoy retried on another worker (the picked one was
+            // down) says nothing about the picked worker's cache: its
+            // cached tokens must not shrink that worker's capacity estimate.
+            let mut learned = core;
+            if let (Some(served), Some(picked)) = (served, router.picked_worker(outcome.pick_id))
+                && served != picked
+            {
+                learned.cached_tokens = None;
+            }
+            let known = router.report_at(learned, now_ms());
             (known, core, served)
         };
         // The ledger after the router's lock, as for a pick.

@@ -226,29 +226,14 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
         .find_map(|word| word.strip_prefix(key)?.strip_prefix('='))
 }
 
-/// `line` without terminal colour codes (`ESC [ ... letter`), which tracing
-/// may write even to a file.
-fn plain(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 /// The sidecar's per-pick debug lines, per session in the order picked.
 fn logged_picks(log: &str) -> HashMap<String, VecDeque<LoggedPick>> {
     let mut picks: HashMap<String, VecDeque<LoggedPick>> = HashMap::new();
-    for line in log.lines().map(plain).filter(|l| l.contains(" pick session=")) {
+    for line in log
+        .lines()
+        .map(kvmesh_integration::process::without_colour)
+        .filter(|l| l.contains(" pick session="))
+    {
         let line = line.as_str();
         let (Some(session), Some(cached)) = (field(line, "session"), field(line, "cached")) else {
             continue;

@@ -108,6 +108,11 @@ impl Router {
         true
     }
 
+    /// The worker a pending pick was placed on.
+    pub fn picked_worker(&self, pick_id: u64) -> Option<super::WorkerId> {
+        self.pending.get(&pick_id).map(|p| p.worker)
+    }
+
     /// Whether an outcome's usage can be believed: against the absolute
     /// bounds, and against its Pick's prompt when the pick is still pending
     /// and was not truncated.

@@ -130,6 +130,15 @@ fn harness<'a>(report: &'a crate::report::AgentReport, name: &str) -> &'a Harnes
         .unwrap_or_else(|| panic!("no {name} row in {:?}", report.retention_by_harness))
 }
 
+/// The buckets where sessions were counted gone: (lower bound, count).
+fn gone_buckets(gaps: &GapDistribution) -> Vec<(u64, f64)> {
+    gaps.buckets
+        .iter()
+        .filter(|b| b.gone > 0.0)
+        .map(|b| (b.from_ms, b.gone))
+        .collect()
+}
+
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-9
 }
@@ -151,13 +160,7 @@ fn the_return_gaps_are_the_runs_by_hand() {
         .collect();
     assert_eq!(back, [(1_000, Some(2_000), 1.0), (4_000, Some(8_000), 1.0)]);
     assert_eq!((g.returns, g.gone), (2.0, 1.0));
-    let gone: Vec<(u64, f64)> = g
-        .buckets
-        .iter()
-        .filter(|b| b.gone > 0.0)
-        .map(|b| (b.from_ms, b.gone))
-        .collect();
-    assert_eq!(gone, [(16_000, 1.0)]);
+    assert_eq!(gone_buckets(g), [(16_000, 1.0)]);
     // Two returns: the median is the first (1 s to 2 s), p90 and p99 the
     // second; a quantile is its bucket's upper bound.
     assert_eq!((g.p50_ms, g.p90_ms, g.p99_ms), (Some(2_000), Some(8_000), Some(8_000)));
@@ -165,14 +168,7 @@ fn the_return_gaps_are_the_runs_by_hand() {
     assert_eq!(g.buckets.last().map(|b| b.to_ms), Some(None), "the last bucket is open");
     // G answered at 2.51 s, counted gone at 33 s: idle 30.49 s, in [16 s, 32 s).
     let codex = harness(&report, "codex");
-    let gone: Vec<(u64, f64)> = codex
-        .return_gaps
-        .buckets
-        .iter()
-        .filter(|b| b.gone > 0.0)
-        .map(|b| (b.from_ms, b.gone))
-        .collect();
-    assert_eq!(gone, [(16_000, 1.0)]);
+    assert_eq!(gone_buckets(&codex.return_gaps), [(16_000, 1.0)]);
     assert_eq!(codex.return_gaps.p50_ms, None, "no Codex session came back");
 }
 

@@ -16,6 +16,7 @@
 mod host;
 mod metrics;
 mod sidecar;
+mod timing;
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -34,6 +35,7 @@ use proxy_wasm::types::{Action, ContextType, LogLevel};
 
 use crate::metrics::{FailOpen, Metrics};
 use crate::sidecar::{PickCell, Streams, TICK, destination_value, resolve, send_on_stream};
+use crate::timing::Phase;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -100,6 +102,7 @@ impl Context for Root {
             shared.metrics.inc(shared.metrics.late_replies);
             return;
         };
+        timing::add(Phase::Wait, pending.cell.sent.get());
         match destination_value(&reply) {
             Ok(value) => {
                 shared.metrics.inc(shared.metrics.picks);
@@ -361,7 +364,10 @@ impl RequestFilter {
         }
         // A host that cannot give the range now is asked again with the
         // next chunk, or for the whole body at the end.
-        if let Some(chunk) = self.get_http_request_body(fed, upto - fed)
+        let reading = timing::now();
+        let chunk = self.get_http_request_body(fed, upto - fed);
+        timing::add(Phase::Read, reading);
+        if let Some(chunk) = chunk
             && chunk.len() == upto - fed
             && let Some(body) = self.body.as_mut()
         {
@@ -381,6 +387,7 @@ impl RequestFilter {
             debug!("kvmesh: body of {body_size} bytes over {cap}, routed on its first {cap}");
         }
         let headers = host::request_headers();
+        let understanding = timing::now();
         let understood = match self.body.take() {
             Some(body) if body.len() == body_size.min(cap) => {
                 let (understood, ahead) = body.finish_counted(&headers, body_truncated, self.config());
@@ -389,10 +396,14 @@ impl RequestFilter {
             }
             // Not every chunk could be read as it came: read the body whole.
             _ => {
+                let reading = timing::now();
                 let body = self.get_http_request_body(0, body_size.min(cap)).unwrap_or_default();
+                timing::add(Phase::Read, reading);
                 kvmesh_request::understand(api, &headers, &body, body_truncated, self.config())
             }
         };
+        timing::add(Phase::Understand, understanding);
+        let sending = timing::now();
         if understood.is_err() && self.config().priority_field.is_some() {
             // Not understood: forwarded as the client sent it.
             self.metrics().inc(self.metrics().priority_not_written);
@@ -436,6 +447,7 @@ impl RequestFilter {
             model: std::mem::take(&mut pick.model),
             api,
         });
+        timing::add(Phase::EncodeSend, sending);
         if sent_on_stream {
             self.metrics().inc(self.metrics().picks_on_stream);
             self.state = State::AwaitingPick;
@@ -506,6 +518,7 @@ impl RequestFilter {
             self.shared.streams.borrow_mut().lost(token);
             return false;
         }
+        self.pick.sent.set(timing::now());
         let deadline = self.get_current_time() + timeout;
         self.shared
             .streams
@@ -666,6 +679,11 @@ impl HttpContext for RequestFilter {
         // buffering it: `body_size` is all of the body so far), so at the
         // last byte only the stream's tail is left to hash.
         self.metrics().inc(self.metrics().body_chunks);
+        let called = timing::now();
+        if end_of_stream {
+            timing::add(Phase::Arrive, self.started);
+            timing::add_n(Phase::Requests, 1);
+        }
         // A body whole in its first callback takes the one-shot path: there
         // is nothing to do ahead of its last byte. (Over HTTP/1 Envoy ends
         // every body with an empty callback, so "whole" is also all the
@@ -682,10 +700,14 @@ impl HttpContext for RequestFilter {
             self.body = self.chunked_request();
         }
         self.feed_body(body_size);
+        if end_of_stream {
+            timing::add(Phase::LastFeed, called);
+        }
         // Ask only once the whole body is in: resuming while the client is
         // still sending races Envoy's deferred continue against the next
         // chunk, and under load the chunks reached the worker out of order.
         if !end_of_stream {
+            timing::add(Phase::Chunks, called);
             return Action::Pause;
         }
         self.ask_sidecar(body_size)
@@ -701,6 +723,7 @@ impl HttpContext for RequestFilter {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.first_byte = Some(self.get_current_time());
+        timing::add(Phase::AfterResume, self.pick.resumed.get());
         self.status = host::response_header(":status")
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok())
             .unwrap_or(0);

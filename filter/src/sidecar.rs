@@ -40,13 +40,16 @@ pub(crate) struct PickCell {
     pub(crate) resolved: Cell<bool>,
     /// The sidecar's pick id, when it routed the request.
     pub(crate) pick_id: Cell<Option<u64>>,
+    /// When the Pick was sent and the request resumed (`timing`).
+    pub(crate) sent: Cell<crate::timing::Stamp>,
+    pub(crate) resumed: Cell<crate::timing::Stamp>,
 }
 
 #[derive(Debug)]
 pub(crate) struct Pending {
     context_id: u32,
     deadline: SystemTime,
-    cell: Rc<PickCell>,
+    pub(crate) cell: Rc<PickCell>,
 }
 
 /// Per-VM stream state, owned by the root context, reached by HTTP contexts
@@ -95,12 +98,15 @@ fn as_context<T>(context_id: u32, back_to: u32, f: impl FnOnce() -> T) -> Option
 pub(crate) fn resolve(root_id: u32, pending: &Pending, header: Option<&str>, pick_id: Option<u64>) {
     pending.cell.resolved.set(true);
     pending.cell.pick_id.set(pick_id);
+    let resuming = crate::timing::now();
     as_context(pending.context_id, root_id, || {
         if let Some(value) = header {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION_HEADER, Some(value));
         }
+        pending.cell.resumed.set(crate::timing::now());
         let _ = hostcalls::resume_http_request();
     });
+    crate::timing::add(crate::timing::Phase::Resume, resuming);
 }
 
 /// Sends `message` on stream `token` owned by the root context, from the

@@ -202,6 +202,11 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
         .build()?;
 
     let names = ["this build", "against"];
+    let mut phases = Vec::new();
+    for (cluster, _) in &clusters {
+        phases.push(phase_times(cluster).await);
+    }
+    let mut breakdown = String::new();
     let mut tables = vec![String::new(); builds.len()];
     let mut ratios = String::new();
     for &kb in &options.sizes_kb {
@@ -238,6 +243,13 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
                 options.requests,
             );
         }
+        for (build, (cluster, _)) in clusters.iter().enumerate() {
+            let now = phase_times(cluster).await;
+            if let Some(line) = phase_line(&phases[build], &now) {
+                breakdown += &format!("| {label} | {} | {line} |\n", names[build]);
+            }
+            phases[build] = now;
+        }
         if let [ours, theirs] = &rounds[..] {
             let (ratio, lo, hi) = spread(
                 ours.iter()
@@ -265,6 +277,13 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
         println!("|---|---|---|---|");
         print!("{ratios}");
     }
+    if !breakdown.is_empty() {
+        println!(
+            "\nPer request, µs (mean; `phase-timing` builds): {}",
+            PHASES.join(" / ")
+        );
+        print!("{breakdown}");
+    }
     for (build, (cluster, _)) in clusters.iter().enumerate() {
         let picks = cluster.envoy_counter("wasmcustom.kvmesh.picks").await?;
         let fail_opens = cluster.envoy_counter("wasmcustom.kvmesh.fail_open.timeout").await?
@@ -286,4 +305,59 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The phases a `phase-timing` build of the filter counts (`kvmesh.time_us.*`).
+const PHASES: [&str; 10] = [
+    "arrive",
+    "chunks",
+    "last_feed",
+    "read",
+    "understand",
+    "encode_send",
+    "wait",
+    "resume",
+    "after_resume",
+    // Not the filter's: the sidecar's own time deciding a Pick.
+    "sidecar_pick",
+];
+
+async fn phase_times(cluster: &Cluster) -> Vec<u64> {
+    let mut out = Vec::new();
+    for phase in PHASES.iter().filter(|p| **p != "sidecar_pick").chain(&["requests"]) {
+        out.push(
+            cluster
+                .envoy_counter(&format!("wasmcustom.kvmesh.time_us.{phase}"))
+                .await
+                .unwrap_or(0),
+        );
+    }
+    // The sidecar's Pick histogram, in µs, before the request count.
+    let metrics = reqwest::get(format!("http://{}/metrics", cluster.sidecar_admin))
+        .await
+        .ok();
+    let text = match metrics {
+        Some(response) => response.text().await.unwrap_or_default(),
+        None => String::new(),
+    };
+    let sum = text
+        .lines()
+        .find_map(|line| line.strip_prefix("kvmesh_pick_duration_seconds_sum "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    out.insert(PHASES.len() - 1, (sum * 1e6) as u64);
+    out
+}
+
+/// Mean µs per request of each phase between two readings, if counted.
+fn phase_line(before: &[u64], after: &[u64]) -> Option<String> {
+    let delta: Vec<u64> = after.iter().zip(before).map(|(a, b)| a.saturating_sub(*b)).collect();
+    let requests = *delta.last()?;
+    (requests > 0).then(|| {
+        delta[..PHASES.len()]
+            .iter()
+            .map(|us| format!("{:.0}", *us as f64 / requests as f64))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    })
 }

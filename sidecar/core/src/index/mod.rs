@@ -227,6 +227,16 @@ pub struct PrefixIndex {
     host_run: Vec<u32>,
     /// Scratch for `insert`: the request's node on the worker, per block.
     placed: Vec<u32>,
+    /// The latest walk's matches, kept for the placement that follows it
+    /// (it would otherwise find the same nodes again, the same way): each
+    /// entry a matched node and the entry of its worker's previous block;
+    /// per worker its last entry and the walk that wrote it. Any removal
+    /// or insert since the walk ends their use (`trail_live`).
+    trail: Vec<(u32, u32)>,
+    trail_tail: Vec<u32>,
+    trail_walks: Vec<u32>,
+    trail_walk: u32,
+    trail_live: bool,
     /// Entries allowed in all, from the operator's byte budget: past it
     /// the fullest worker's oldest blocks go, whatever the caches hold.
     entry_budget: Option<usize>,
@@ -256,6 +266,11 @@ impl PrefixIndex {
             alive: Vec::new(),
             host_run: Vec::new(),
             placed: Vec::new(),
+            trail: Vec::new(),
+            trail_tail: Vec::new(),
+            trail_walks: Vec::new(),
+            trail_walk: 0,
+            trail_live: false,
             entry_budget: None,
         }
     }
@@ -286,6 +301,8 @@ impl PrefixIndex {
         self.last_match.push(NIL);
         self.cursor.push(NIL);
         self.host_run.push(0);
+        self.trail_tail.push(NIL);
+        self.trail_walks.push(NIL);
         WorkerId(self.workers.len() - 1)
     }
 
@@ -406,7 +423,10 @@ impl PrefixIndex {
                 + self.cursor.capacity()
                 + self.alive.capacity()
                 + self.placed.capacity()
-                + self.host_run.capacity())
+                + self.host_run.capacity()
+                + self.trail_tail.capacity()
+                + self.trail_walks.capacity()
+                + 2 * self.trail.capacity())
                 * size_of::<u32>()
     }
 
@@ -424,6 +444,7 @@ impl PrefixIndex {
         overlaps.clear();
         overlaps.resize(self.workers.len(), 0);
         self.alive.clear();
+        self.trail_live = false;
         let Some(&first_hash) = hashes.first() else {
             if let Some(host_only) = host_only {
                 host_only.clear();
@@ -435,6 +456,10 @@ impl PrefixIndex {
         // index without host tiers walks as fast as before (the count costs
         // a node read per matched block).
         let tiered = self.hosts.iter().any(|h| h.len > 0);
+        self.trail.clear();
+        self.trail_walk = self.trail_walk.wrapping_add(1);
+        self.trail_live = true;
+        let walk = self.trail_walk;
         // Block 0: every holder starts a run.
         let mut node = self.first_of(first_hash).unwrap_or(NIL);
         while node != NIL {
@@ -444,6 +469,9 @@ impl PrefixIndex {
             self.cursor[w as usize] = node;
             self.last_match[w as usize] = 0;
             self.host_run[w as usize] = u32::from(n.host_only());
+            self.trail_tail[w as usize] = self.trail.len() as u32;
+            self.trail_walks[w as usize] = walk;
+            self.trail.push((node, NIL));
             node = n.next_holder;
         }
         // Each further block: a worker continues if it holds it too, found
@@ -471,6 +499,9 @@ impl PrefixIndex {
                 if let Some(next) = next {
                     self.cursor[w as usize] = next;
                     self.last_match[w as usize] = i as u32;
+                    let previous = self.trail_tail[w as usize];
+                    self.trail_tail[w as usize] = self.trail.len() as u32;
+                    self.trail.push((next, previous));
                     if tiered {
                         self.host_run[w as usize] += u32::from(self.nodes[next as usize].host_only());
                     }
@@ -532,11 +563,14 @@ impl PrefixIndex {
         }
         let worker_u32 = w as u32;
         // Forward: find the nodes the worker already has, following
-        // successor links as the lookup does.
+        // successor links as the lookup does; the leading ones from the
+        // walk just before, when nothing changed since (each is checked
+        // against its block, so a walk of other blocks is never used).
         let mut placed = std::mem::take(&mut self.placed);
         placed.clear();
-        let mut previous = NIL;
-        for &hash in hashes {
+        let walked = self.walked_prefix(w, hashes, &mut placed);
+        let mut previous = placed.last().copied().unwrap_or(NIL);
+        for &hash in &hashes[walked..] {
             let linked = (previous != NIL)
                 .then(|| self.nodes[previous as usize].successor)
                 .filter(|&s| s != NIL)
@@ -753,6 +787,35 @@ impl PrefixIndex {
         }
     }
 
+    /// Writes into `placed` worker `w`'s nodes of the leading blocks of
+    /// `hashes` the latest walk matched, if it is still good (no removal or
+    /// insert since) and they are those blocks; returns how many.
+    fn walked_prefix(&mut self, w: usize, hashes: &[u64], placed: &mut Vec<u32>) -> usize {
+        if !std::mem::replace(&mut self.trail_live, false) || self.trail_walks[w] != self.trail_walk {
+            return 0;
+        }
+        let run = self.last_match[w] as usize + 1;
+        if run > hashes.len() {
+            return 0;
+        }
+        placed.resize(run, NIL);
+        let mut entry = self.trail_tail[w];
+        for j in (0..run).rev() {
+            let Some(&(node, previous)) = self.trail.get(entry as usize) else {
+                placed.clear();
+                return 0;
+            };
+            let n = &self.nodes[node as usize];
+            if n.worker_tier & WORKER_MASK != w as u32 || n.hash() != hashes[j] {
+                placed.clear();
+                return 0;
+            }
+            placed[j] = node;
+            entry = previous;
+        }
+        run
+    }
+
     /// Moves the run of worker `w`'s GPU nodes from `first` (the newest
     /// end) through `last`, linked by `older` in between, to the newest end
     /// of its list, in their order.
@@ -793,6 +856,7 @@ impl PrefixIndex {
     }
 
     fn remove_node(&mut self, node: u32) {
+        self.trail_live = false;
         self.unlink_lru(node);
         let removed = self.nodes[node as usize];
         let (hash, next_holder) = (removed.hash(), removed.next_holder);

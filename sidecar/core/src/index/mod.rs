@@ -478,7 +478,11 @@ impl PrefixIndex {
         // through its successor link, else through one table probe shared
         // by the workers whose link missed.
         for (i, &hash) in hashes.iter().enumerate().skip(1) {
-            if self.alive.is_empty() {
+            if self.alive.len() <= 1 {
+                // One worker left, the common case past a shared prefix (a
+                // session's own blocks are on its home only): its run goes
+                // on with its cursor in registers, not in the scratch.
+                self.walk_alone(hashes, i, tiered);
                 break;
             }
             let mut probed: Option<u32> = None;
@@ -527,6 +531,43 @@ impl PrefixIndex {
             }
             node = n.next_holder;
         }
+    }
+
+    /// The walk from block `from` on, with only `alive[0]` (if any) still
+    /// matching: the same steps as `overlaps_by_tier`'s loop for one worker.
+    fn walk_alone(&mut self, hashes: &[u64], from: usize, tiered: bool) {
+        let Some(&w) = self.alive.first() else { return };
+        let wi = w as usize;
+        let (mut cursor, mut entry) = (self.cursor[wi], self.trail_tail[wi]);
+        let (mut last, mut host) = (self.last_match[wi], self.host_run[wi]);
+        self.trail.reserve(hashes.len().saturating_sub(from));
+        for (i, &hash) in hashes.iter().enumerate().skip(from) {
+            let successor = self.nodes[cursor as usize].successor;
+            let next = if successor != NIL
+                && let Some(s) = self.nodes.get(successor as usize)
+                && s.worker() == w
+                && s.hash() == hash
+            {
+                successor
+            } else {
+                match self.find(w, hash) {
+                    Some(next) => next,
+                    None => break,
+                }
+            };
+            cursor = next;
+            last = i as u32;
+            self.trail.push((next, entry));
+            entry = (self.trail.len() - 1) as u32;
+            if tiered {
+                host += u32::from(self.nodes[next as usize].host_only());
+            }
+        }
+        self.cursor[wi] = cursor;
+        self.last_match[wi] = last;
+        self.trail_tail[wi] = entry;
+        self.host_run[wi] = host;
+        self.alive.clear();
     }
 
     /// `worker`'s node in the holder chain starting at `first`.
@@ -599,8 +640,21 @@ impl PrefixIndex {
         let (mut run_first, mut run_last) = (NIL, NIL);
         for (i, &hash) in hashes.iter().enumerate().rev() {
             let found = placed[i];
-            let node = if found != NIL && !self.nodes[found as usize].host_only() {
-                if run_first == NIL || self.nodes[found as usize].older != run_first {
+            // One read of the node for its tier, its list neighbour and its
+            // successor (indexing the arena is most of this loop's work).
+            let gpu_older = (found != NIL)
+                .then(|| {
+                    let n = &mut self.nodes[found as usize];
+                    (!n.host_only()).then(|| {
+                        if n.successor != after {
+                            n.successor = after;
+                        }
+                        n.older
+                    })
+                })
+                .flatten();
+            let node = if let Some(older) = gpu_older {
+                if run_first == NIL || older != run_first {
                     if run_first != NIL {
                         self.move_run_newest(w, run_first, run_last);
                     }
@@ -627,12 +681,9 @@ impl PrefixIndex {
                     node
                 };
                 self.push_newest(node);
+                self.nodes[node as usize].successor = after;
                 node
             };
-            let n = &mut self.nodes[node as usize];
-            if n.successor != after {
-                n.successor = after;
-            }
             after = node;
         }
         if run_first != NIL {

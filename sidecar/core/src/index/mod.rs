@@ -137,6 +137,10 @@ impl Arena {
         (index < self.len).then(|| &self[index])
     }
 
+    fn get_mut(&mut self, index: usize) -> Option<&mut Node> {
+        (index < self.len).then(|| &mut self[index])
+    }
+
     /// Stores `node`, in a freed slot if there is one.
     fn alloc(&mut self, node: Node) -> u32 {
         if self.free_head != NIL {
@@ -207,6 +211,19 @@ impl WorkerList {
             capacity: capacity.max(1),
         }
     }
+}
+
+/// What `insert` found of a block on its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Touch {
+    /// Not held: a new node.
+    New,
+    /// Held in host memory only.
+    Host,
+    /// On the GPU, with its older neighbour in the list.
+    Gpu(u32),
+    /// The node given is not the worker's node of that block.
+    NotIts,
 }
 
 /// Block hash → holders, with per-worker LRU order and capacity.
@@ -541,26 +558,28 @@ impl PrefixIndex {
         let (mut cursor, mut entry) = (self.cursor[wi], self.trail_tail[wi]);
         let (mut last, mut host) = (self.last_match[wi], self.host_run[wi]);
         self.trail.reserve(hashes.len().saturating_sub(from));
+        // The node matched last is read once: its successor link is kept
+        // for the next block (reading the arena is most of the walk).
+        let mut successor = self.nodes[cursor as usize].successor;
         for (i, &hash) in hashes.iter().enumerate().skip(from) {
-            let successor = self.nodes[cursor as usize].successor;
-            let next = if successor != NIL
-                && let Some(s) = self.nodes.get(successor as usize)
-                && s.worker() == w
-                && s.hash() == hash
-            {
-                successor
-            } else {
-                match self.find(w, hash) {
-                    Some(next) => next,
+            let linked = (successor != NIL)
+                .then(|| self.nodes.get(successor as usize))
+                .flatten()
+                .filter(|s| s.worker() == w && s.hash() == hash);
+            let (next, n) = match linked {
+                Some(&n) => (successor, n),
+                None => match self.find(w, hash) {
+                    Some(next) => (next, self.nodes[next as usize]),
                     None => break,
-                }
+                },
             };
             cursor = next;
+            successor = n.successor;
             last = i as u32;
             self.trail.push((next, entry));
             entry = (self.trail.len() - 1) as u32;
             if tiered {
-                host += u32::from(self.nodes[next as usize].host_only());
+                host += u32::from(n.host_only());
             }
         }
         self.cursor[wi] = cursor;
@@ -639,20 +658,19 @@ impl PrefixIndex {
         // `older` is the next, as in the list now.
         let (mut run_first, mut run_last) = (NIL, NIL);
         for (i, &hash) in hashes.iter().enumerate().rev() {
-            let found = placed[i];
-            // One read of the node for its tier, its list neighbour and its
-            // successor (indexing the arena is most of this loop's work).
-            let gpu_older = (found != NIL)
-                .then(|| {
-                    let n = &mut self.nodes[found as usize];
-                    (!n.host_only()).then(|| {
-                        if n.successor != after {
-                            n.successor = after;
-                        }
-                        n.older
-                    })
-                })
-                .flatten();
+            let mut found = placed[i];
+            let mut read = self.read_for_touch(found, worker_u32, hash, after);
+            if read == Touch::NotIts {
+                // A node from the walk that is not this worker's node of
+                // this block (the walk was of other blocks: never in the
+                // router's own use) is looked up as the forward pass would.
+                found = self.find(worker_u32, hash).unwrap_or(NIL);
+                read = self.read_for_touch(found, worker_u32, hash, after);
+            }
+            let gpu_older = match read {
+                Touch::Gpu(older) => Some(older),
+                _ => None,
+            };
             let node = if let Some(older) = gpu_older {
                 if run_first == NIL || older != run_first {
                     if run_first != NIL {
@@ -838,9 +856,32 @@ impl PrefixIndex {
         }
     }
 
-    /// Writes into `placed` worker `w`'s nodes of the leading blocks of
-    /// `hashes` the latest walk matched, if it is still good (no removal or
-    /// insert since) and they are those blocks; returns how many.
+    /// One read of a node being placed, for its tier, its list neighbour
+    /// and its successor (which becomes `after`); indexing the arena is
+    /// most of the placement's work.
+    fn read_for_touch(&mut self, node: u32, worker: u32, hash: u64, after: u32) -> Touch {
+        if node == NIL {
+            return Touch::New;
+        }
+        let Some(n) = self.nodes.get_mut(node as usize) else {
+            return Touch::NotIts;
+        };
+        if n.worker_tier & WORKER_MASK != worker || n.hash() != hash {
+            return Touch::NotIts;
+        }
+        if n.host_only() {
+            return Touch::Host;
+        }
+        if n.successor != after {
+            n.successor = after;
+        }
+        Touch::Gpu(n.older)
+    }
+
+    /// Writes into `placed` worker `w`'s nodes of the leading blocks the
+    /// latest walk matched, if it is still good (no removal or insert
+    /// since); returns how many. The placement checks each against its
+    /// block as it reads it, so a walk of other blocks is never trusted.
     fn walked_prefix(&mut self, w: usize, hashes: &[u64], placed: &mut Vec<u32>) -> usize {
         if !std::mem::replace(&mut self.trail_live, false) || self.trail_walks[w] != self.trail_walk {
             return 0;
@@ -856,11 +897,6 @@ impl PrefixIndex {
                 placed.clear();
                 return 0;
             };
-            let n = &self.nodes[node as usize];
-            if n.worker_tier & WORKER_MASK != w as u32 || n.hash() != hashes[j] {
-                placed.clear();
-                return 0;
-            }
             placed[j] = node;
             entry = previous;
         }

@@ -262,10 +262,13 @@ pub struct PrefixIndex {
     entry_budget: Option<usize>,
 }
 
-/// Heap bytes one entry can cost at worst: its node (28 B) and its share
-/// of the hash tables while a full one drains into one twice its size
-/// (5 bytes a bucket, 3 buckets for every 7/8 of a bucket's entries:
-/// about 17 B).
+/// Heap bytes one entry costs at worst, for the byte budget: its node
+/// (28 B) and its share of the block tables while a full one drains into
+/// one twice its size (5 bytes a bucket, 3 buckets for every 7/8 of a
+/// bucket's entries: about 17 B). A same-size refresh, of a table whose
+/// slots were half tombstones, holds up to 23 B per live entry while it
+/// drains (a quarter of its entries in inserts): the budget can be passed
+/// by up to 6 % then.
 pub(crate) const MAX_BYTES_PER_ENTRY: usize = 48;
 
 impl Default for PrefixIndex {

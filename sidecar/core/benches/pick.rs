@@ -13,6 +13,11 @@
 //! comparison with the session's previous call and its new trace), which
 //! runs after the router's lock is released.
 //!
+//! `--goal` times only the goal's points (1,600 blocks at 10M entries over
+//! 64 and 512 workers), cheap enough to run after every core change;
+//! `--only ENTRIES:WORKERS:BLOCKS --picks N` one point with N picks, for a
+//! profiler (`valgrind --tool=callgrind`, see docs/benchmarks.md).
+//!
 //! `--criterion` runs instead criterion's estimates of one Pick as the
 //! sidecar handles it, with the ledger applied and without: `router_lock`
 //! is what runs under the router's lock (`Router::pick` and the ledger's
@@ -138,76 +143,134 @@ fn criterion_ledger(quick: bool) {
     group.finish();
 }
 
+/// The points the routing core is held to (docs/benchmarks.md): the
+/// goal's 1,600 blocks over 64 workers at 10M entries, and the 512-worker
+/// row beside it.
+const GOAL_POINTS: [(u64, usize, u64); 2] = [(10_000_000, 64, 1600), (10_000_000, 512, 1600)];
+
+/// Picks timed per row, after this many untimed ones.
+const TIMED_PICKS: u64 = 2000;
+const WARM_UP_PICKS: u64 = 100;
+
+/// The value after `flag` on the command line.
+fn arg_after(flag: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+/// Times `picks` picks of `request_blocks` blocks on `router` and prints
+/// the row (Pick median and p99, the ledger's beside it).
+fn measure_row(router: &mut Router, sessions: u64, entries: u64, workers: usize, request_blocks: u64, picks: u64) {
+    let index = router.index();
+    let bytes_per_entry = index.memory_bytes() as f64 / index.entries().max(1) as f64;
+    let mut took = Vec::with_capacity(picks as usize);
+    let mut insight_took = Vec::with_capacity(picks as usize);
+    let mut insights = Insights::new(InsightConfig::default());
+    for i in 0..picks + WARM_UP_PICKS {
+        let (hashes, session) = request(i, sessions, request_blocks);
+        let input = PickInput {
+            block_hashes: &hashes,
+            block_bytes: 256,
+            prompt_bytes: request_blocks * 256,
+            session_id: &session,
+            model: "m",
+            now_ms: i,
+            ..PickInput::default()
+        };
+        let call = Call {
+            input,
+            harness: kvmesh_core::Harness::ClaudeCode,
+            tenant: "t",
+            sections: &[],
+        };
+        let started = Instant::now();
+        let d = router.pick(input);
+        let elapsed = started.elapsed();
+        // As the sidecar does it: the probe and the record, with the
+        // router's lock released (the probe's answer, one index lookup, is
+        // left out of both figures).
+        let started = Instant::now();
+        let probe = insights.probe(&call);
+        let insight_took_probe = started.elapsed();
+        let holdings = router.holdings(probe.as_slice());
+        let started = Instant::now();
+        insights.on_pick(&call, &d, &holdings);
+        let insight_elapsed = insight_took_probe + started.elapsed();
+        router.report(Outcome {
+            pick_id: d.pick_id,
+            ..Outcome::default()
+        });
+        if i >= WARM_UP_PICKS {
+            took.push(elapsed);
+            insight_took.push(insight_elapsed);
+        }
+    }
+    took.sort();
+    insight_took.sort();
+    println!(
+        "| {entries} | {workers} | {request_blocks} | {:.1} µs | {:.1} µs | {bytes_per_entry:.1} | {:.1} µs | {:.1} µs |",
+        percentile(&took, 0.5),
+        percentile(&took, 0.99),
+        percentile(&insight_took, 0.5),
+        percentile(&insight_took, 0.99)
+    );
+}
+
+/// `--goal`: only [`GOAL_POINTS`], each on a freshly filled router (the
+/// regression guard after a core change). `--only ENTRIES:WORKERS:BLOCKS`:
+/// one point (for a profiler). `--picks N`: N timed picks per row instead
+/// of 2,000. Otherwise every point of the table, as docs/benchmarks.md
+/// shows it (each router filled once, its three request sizes in turn).
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     if std::env::args().any(|a| a == "--criterion") {
         criterion_ledger(quick);
         return;
     }
-    let entry_counts: &[u64] = if quick { &[100_000] } else { &[1_000_000, 10_000_000] };
+    let picks = arg_after("--picks")
+        .and_then(|n| n.parse::<u64>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(TIMED_PICKS);
+    let only = arg_after("--only").and_then(|point| {
+        let mut parts = point.split(':').map(str::parse::<u64>);
+        match (parts.next(), parts.next(), parts.next()) {
+            (Some(Ok(e)), Some(Ok(w)), Some(Ok(b))) => Some((e, w as usize, b)),
+            _ => None,
+        }
+    });
     println!(
         "| indexed entries | workers | request blocks | median | p99 | bytes per entry | insights median | insights p99 |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    for &entries in entry_counts {
-        for workers in [8usize, 64, 512] {
-            let (router, sessions) = filled_router(entries, workers);
-            let mut router = router;
-            let index = router.index();
-            let bytes_per_entry = index.memory_bytes() as f64 / index.entries().max(1) as f64;
-            for request_blocks in [100u64, 1600, 8000] {
-                let mut took = Vec::with_capacity(2000);
-                let mut insight_took = Vec::with_capacity(2000);
-                let mut insights = Insights::new(InsightConfig::default());
-                for i in 0..2100u64 {
-                    let (hashes, session) = request(i, sessions, request_blocks);
-                    let input = PickInput {
-                        block_hashes: &hashes,
-                        block_bytes: 256,
-                        prompt_bytes: request_blocks * 256,
-                        session_id: &session,
-                        model: "m",
-                        now_ms: i,
-                        ..PickInput::default()
-                    };
-                    let call = Call {
-                        input,
-                        harness: kvmesh_core::Harness::ClaudeCode,
-                        tenant: "t",
-                        sections: &[],
-                    };
-                    let started = Instant::now();
-                    let d = router.pick(input);
-                    let elapsed = started.elapsed();
-                    // As the sidecar does it: the probe and the record,
-                    // with the router's lock released (the probe's answer,
-                    // one index lookup, is left out of both figures).
-                    let started = Instant::now();
-                    let probe = insights.probe(&call);
-                    let insight_took_probe = started.elapsed();
-                    let holdings = router.holdings(probe.as_slice());
-                    let started = Instant::now();
-                    insights.on_pick(&call, &d, &holdings);
-                    let insight_elapsed = insight_took_probe + started.elapsed();
-                    router.report(Outcome {
-                        pick_id: d.pick_id,
-                        ..Outcome::default()
-                    });
-                    if i >= 100 {
-                        took.push(elapsed);
-                        insight_took.push(insight_elapsed);
-                    }
+    let points: Vec<(u64, usize, u64)> = if let Some(point) = only {
+        vec![point]
+    } else if std::env::args().any(|a| a == "--goal") {
+        GOAL_POINTS.to_vec()
+    } else {
+        let entry_counts: &[u64] = if quick { &[100_000] } else { &[1_000_000, 10_000_000] };
+        let mut points = Vec::new();
+        for &entries in entry_counts {
+            for workers in [8usize, 64, 512] {
+                for request_blocks in [100u64, 1600, 8000] {
+                    points.push((entries, workers, request_blocks));
                 }
-                took.sort();
-                insight_took.sort();
-                println!(
-                    "| {entries} | {workers} | {request_blocks} | {:.1} µs | {:.1} µs | {bytes_per_entry:.1} | {:.1} µs | {:.1} µs |",
-                    percentile(&took, 0.5),
-                    percentile(&took, 0.99),
-                    percentile(&insight_took, 0.5),
-                    percentile(&insight_took, 0.99)
-                );
             }
+        }
+        points
+    };
+    let mut filled: Option<((u64, usize), Router, u64)> = None;
+    for (entries, workers, request_blocks) in points {
+        if filled.as_ref().is_none_or(|(at, _, _)| *at != (entries, workers)) {
+            // The previous router goes first (two at 10M entries hold
+            // about 1 GB).
+            drop(filled.take());
+            let (router, sessions) = filled_router(entries, workers);
+            filled = Some(((entries, workers), router, sessions));
+        }
+        if let Some((_, router, sessions)) = filled.as_mut() {
+            measure_row(router, *sessions, entries, workers, request_blocks, picks);
         }
     }
 }

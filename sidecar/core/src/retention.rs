@@ -77,14 +77,30 @@ pub fn bucket_of(gap_ms: u64) -> usize {
 
 /// How long sessions of one class stay away: gaps after which they came
 /// back, and idle times after which they were counted gone.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct GapHistogram {
     pub returns: [f64; GAP_BUCKETS],
     pub gone: [f64; GAP_BUCKETS],
+    /// The sum of both, kept as they change: every priced resident asks
+    /// for it (`histogram`) and every observation (`decay`), and summing
+    /// the 40 counts each time was most of pricing an overflowing worker.
+    /// Summed afresh at each decay, so it never drifts from the counts by
+    /// more than the rounding of a few additions.
+    observations: f64,
+}
+
+impl PartialEq for GapHistogram {
+    fn eq(&self, other: &Self) -> bool {
+        self.returns == other.returns && self.gone == other.gone
+    }
 }
 
 impl GapHistogram {
     pub fn observations(&self) -> f64 {
+        self.observations
+    }
+
+    fn sum_observations(&self) -> f64 {
         self.returns.iter().sum::<f64>() + self.gone.iter().sum::<f64>()
     }
 
@@ -94,25 +110,30 @@ impl GapHistogram {
 
     pub fn observe_return(&mut self, gap_ms: u64) {
         self.returns[bucket_of(gap_ms)] += 1.0;
+        self.observations += 1.0;
         self.decay();
     }
 
     pub fn observe_gone(&mut self, idle_ms: u64) {
         self.gone[bucket_of(idle_ms)] += 1.0;
+        self.observations += 1.0;
         self.decay();
     }
 
     /// A session counted gone after `idle_ms` came back after all.
     fn undo_gone(&mut self, idle_ms: u64) {
         let slot = &mut self.gone[bucket_of(idle_ms)];
-        *slot = (*slot - 1.0).max(0.0);
+        let before = *slot;
+        *slot = (before - 1.0).max(0.0);
+        self.observations -= before - *slot;
     }
 
     fn decay(&mut self) {
-        if self.observations() >= DECAY_AT_OBSERVATIONS {
+        if self.observations >= DECAY_AT_OBSERVATIONS {
             for c in self.returns.iter_mut().chain(self.gone.iter_mut()) {
                 *c *= 0.5;
             }
+            self.observations = self.sum_observations();
         }
     }
 
@@ -165,6 +186,7 @@ impl GapHistogram {
         for (a, b) in self.gone.iter_mut().zip(other.gone.iter()) {
             *a += b;
         }
+        self.observations = self.sum_observations();
     }
 }
 
@@ -347,7 +369,10 @@ impl RetentionValues {
                 r.dead = true;
             }
         }
-        let old_blocks = self.residents_of(worker).get(session).map_or(0, |r| r.blocks);
+        // One look-up of the worker's residents for the session's old
+        // blocks and its new entry (it was three).
+        let residents = self.residents_of(worker);
+        let old_blocks = residents.get(session).map_or(0, |r| r.blocks);
         let blocks = old_blocks + new_blocks;
         let resident = Resident {
             blocks,
@@ -356,10 +381,11 @@ impl RetentionValues {
             dead: session_final,
             class: class.clone(),
         };
-        let (_, dropped) = self.residents_of(worker).insert(session.to_owned(), resident);
+        let (_, dropped) = residents.insert(session.to_owned(), resident);
         let dropped_blocks: usize = dropped.iter().map(|(_, r)| r.blocks).sum();
-        let total = &mut self.resident_blocks[worker.0];
-        *total = (*total + blocks).saturating_sub(old_blocks + dropped_blocks);
+        if let Some(total) = self.resident_blocks.get_mut(worker.0) {
+            *total = (*total + blocks).saturating_sub(old_blocks + dropped_blocks);
+        }
         self.trim(worker, capacity_blocks);
         if !session_final {
             let armed = previous

@@ -444,11 +444,23 @@ impl Router {
     /// Lets each worker's prefill queue drain up to `now_ms`.
     pub(super) fn drain_queues(&mut self, now_ms: u64) {
         let default_rate = self.config.default_prefill_tokens_per_ms;
+        // Workers drained at the same moment decay by the same factor: one
+        // `powf` per distinct elapsed time, not per worker (at 512 workers
+        // the `exp2` calls were a tenth of a Pick's instructions).
+        let mut decay: Option<(u64, f64)> = None;
         for w in &mut self.workers {
             w.load.queued_prefill_tokens = w.load.queued_at(now_ms, default_rate);
             let load = &mut w.load;
-            let elapsed = now_ms.saturating_sub(load.queue_at_ms) as f64;
-            load.recent_prefill_tokens *= 0.5f64.powf(elapsed / RECENT_PREFILL_HALF_LIFE_MS);
+            let elapsed = now_ms.saturating_sub(load.queue_at_ms);
+            let factor = match decay {
+                Some((at, factor)) if at == elapsed => factor,
+                _ => {
+                    let factor = 0.5f64.powf(elapsed as f64 / RECENT_PREFILL_HALF_LIFE_MS);
+                    decay = Some((elapsed, factor));
+                    factor
+                }
+            };
+            load.recent_prefill_tokens *= factor;
             load.queue_at_ms = load.queue_at_ms.max(now_ms);
         }
     }

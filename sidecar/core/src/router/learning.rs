@@ -47,21 +47,26 @@ impl Router {
     ///
     /// Usage that fails [`Router::check_usage`] releases the pick but
     /// teaches nothing.
+    pub fn report(&mut self, outcome: Outcome) -> bool {
+        self.report_answered(outcome, None)
+    }
+
     /// `report` of an outcome that arrived at `answered_ms`: the session's
     /// idle time (what retention learns) starts there.
     pub fn report_at(&mut self, outcome: Outcome, answered_ms: u64) -> bool {
-        if let Some(p) = self.pending.get(&outcome.pick_id) {
-            let session = p.session.clone();
-            self.retention.on_answer(&session, answered_ms);
-        }
-        self.report(outcome)
+        self.report_answered(outcome, Some(answered_ms))
     }
 
-    pub fn report(&mut self, outcome: Outcome) -> bool {
+    /// `report`, telling retention when the call was answered if known:
+    /// the removed pending pick hands it its session (no copy of the id).
+    fn report_answered(&mut self, outcome: Outcome, answered_ms: Option<u64>) -> bool {
         let usage_ok = self.check_usage(&outcome).is_ok();
         let Some(p) = self.pending.remove(&outcome.pick_id) else {
             return false;
         };
+        if let Some(answered_ms) = answered_ms {
+            self.retention.on_answer(&p.session, answered_ms);
+        }
         self.release(&p);
         // Prefill throughput: the uncached tokens over the time to first
         // byte (queueing included, so it errs towards slower).

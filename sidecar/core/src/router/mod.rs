@@ -58,7 +58,7 @@ use kvmesh_vocab::limits::MAX_PROMPT_TOKENS;
 use crate::index::PrefixIndex;
 use crate::lru::LruMap;
 use crate::models::ModelRates;
-use crate::retention::RetentionValues;
+use crate::retention::{Eviction, RetentionValues};
 use crate::sessions::SessionTable;
 
 pub use cost::Cost;
@@ -214,6 +214,19 @@ pub struct Router {
     next_pick_id: u64,
     bytes_per_token: ModelRates,
     retention: RetentionValues,
+    scratch: PickScratch,
+}
+
+/// Buffers a Pick fills and empties again, kept so that a Pick allocates
+/// only what its `Decision` carries out.
+#[derive(Debug, Default)]
+struct PickScratch {
+    host_overlaps: Vec<usize>,
+    candidates: Vec<Candidate>,
+    /// Per worker, what placing the request there would push out (when
+    /// it overflows), priced once in the candidate loop and read again for
+    /// the chosen one's record.
+    evictions: Vec<Option<Eviction>>,
 }
 
 impl Router {
@@ -229,6 +242,7 @@ impl Router {
             index: PrefixIndex::new(),
             last_pick: HashMap::new(),
             next_pick_id: 1,
+            scratch: PickScratch::default(),
         };
         let budget = router.config.index_budget_bytes;
         router.index.set_byte_budget(budget);
@@ -301,7 +315,15 @@ impl Router {
         self.drain_queues(input.now_ms);
         self.release_stale_picks(input.now_ms);
         let mut overlaps = Vec::with_capacity(self.workers.len());
-        let mut host_overlaps = Vec::with_capacity(self.workers.len());
+        let PickScratch {
+            mut host_overlaps,
+            mut candidates,
+            mut evictions,
+        } = std::mem::take(&mut self.scratch);
+        host_overlaps.clear();
+        candidates.clear();
+        evictions.clear();
+        evictions.resize(self.workers.len(), None);
         match known_overlaps {
             None => self
                 .index
@@ -318,7 +340,6 @@ impl Router {
             }
         }
         let mut costs = vec![None; self.workers.len()];
-        let mut candidates: Vec<Candidate> = Vec::with_capacity(self.workers.len());
         for (i, w) in self.workers.iter().enumerate() {
             if !w.pickable() {
                 continue;
@@ -329,9 +350,11 @@ impl Router {
             let new_blocks = full.len().saturating_sub(overlap);
             let overflow_blocks = (self.index.len(id) + new_blocks).saturating_sub(self.index.capacity(id));
             let evicted_blocks = if self.config.retention && overflow_blocks > 0 {
-                self.retention
-                    .evicted(id, key, overflow_blocks, input.now_ms)
-                    .valued_blocks
+                let eviction = self.retention.evicted(id, key, overflow_blocks, input.now_ms);
+                if let Some(slot) = evictions.get_mut(i) {
+                    *slot = Some(eviction);
+                }
+                eviction.valued_blocks
             } else {
                 overflow_blocks as f64
             };
@@ -380,19 +403,22 @@ impl Router {
             parent_home,
             ..Decision::default()
         };
-        let Some((reason, best_overlap)) = cost::rank(&mut candidates, self.config.tie_tolerance) else {
+        let ranked = self.config.ranked_destinations.max(1);
+        let ranking = cost::rank(&mut candidates, self.config.tie_tolerance, ranked);
+        let chosen = candidates.first().copied();
+        decision.ranked = candidates.iter().take(ranked).map(|c| c.id).collect();
+        let chosen_eviction = chosen.and_then(|c| evictions.get(c.id.0).copied().flatten());
+        self.scratch = PickScratch {
+            host_overlaps,
+            candidates,
+            evictions,
+        };
+        let (Some((reason, best_overlap)), Some(chosen)) = (ranking, chosen) else {
             decision.reason = Reason::NoWorkers;
+            decision.ranked.clear();
             return decision;
         };
-        let Some(chosen) = candidates.first().copied() else {
-            decision.reason = Reason::NoWorkers;
-            return decision;
-        };
-        decision.ranked = candidates
-            .iter()
-            .take(self.config.ranked_destinations.max(1))
-            .map(|c| c.id)
-            .collect();
+        let host_overlaps = &self.scratch.host_overlaps;
         decision.reason = reason;
         decision.cost = decision.costs.get(chosen.id.0).copied().flatten().unwrap_or_default();
         decision.predicted_cached_blocks = u32::try_from(chosen.overlap).unwrap_or(u32::MAX);
@@ -407,10 +433,14 @@ impl Router {
             self.workers.get(chosen.id.0).and_then(|w| w.engine_block_tokens),
         );
         decision.best_overlap = u32::try_from(best_overlap).unwrap_or(u32::MAX);
-        let overflow = (self.index.len(chosen.id) + full.len().saturating_sub(chosen.overlap))
-            .saturating_sub(self.index.capacity(chosen.id));
-        if overflow > 0 {
-            let evicted = self.retention.evicted(chosen.id, key, overflow, input.now_ms);
+        // Priced in the candidate loop when retention weighs the cost;
+        // without it, priced here for the record only.
+        let eviction = chosen_eviction.or_else(|| {
+            let overflow = (self.index.len(chosen.id) + full.len().saturating_sub(chosen.overlap))
+                .saturating_sub(self.index.capacity(chosen.id));
+            (overflow > 0).then(|| self.retention.evicted(chosen.id, key, overflow, input.now_ms))
+        });
+        if let Some(evicted) = eviction {
             decision.evicted_blocks = u32::try_from(evicted.blocks).unwrap_or(u32::MAX);
             decision.evicted_value_blocks = evicted.valued_blocks;
         }

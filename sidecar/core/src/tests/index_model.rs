@@ -8,11 +8,33 @@ use crate::{PrefixIndex, WorkerId};
 
 #[derive(Debug, Clone)]
 enum Op {
-    Insert { worker: usize, blocks: Vec<u64> },
-    Lookup { blocks: Vec<u64> },
-    DropOldest { worker: usize, count: usize },
-    SetCapacity { worker: usize, capacity: usize },
-    Clear { worker: usize },
+    Insert {
+        worker: usize,
+        blocks: Vec<u64>,
+    },
+    /// As the router places a request: a lookup, then the insert on one
+    /// worker (which reuses the lookup's walk). `again` continues an
+    /// earlier request: its first `keep` blocks, then `blocks` (an
+    /// agent's next call, whose prefix moves as one run).
+    Place {
+        worker: usize,
+        again: Option<(usize, usize)>,
+        blocks: Vec<u64>,
+    },
+    Lookup {
+        blocks: Vec<u64>,
+    },
+    DropOldest {
+        worker: usize,
+        count: usize,
+    },
+    SetCapacity {
+        worker: usize,
+        capacity: usize,
+    },
+    Clear {
+        worker: usize,
+    },
 }
 
 const WORKERS: usize = 4;
@@ -22,6 +44,8 @@ fn op() -> impl Strategy<Value = Op> {
     let blocks = prop::collection::vec(0u64..40, 0..12);
     prop_oneof![
         4 => (0..WORKERS, blocks.clone()).prop_map(|(worker, blocks)| Op::Insert { worker, blocks }),
+        3 => (0..WORKERS, prop::option::of((0usize..64, 0usize..12)), blocks.clone())
+            .prop_map(|(worker, again, blocks)| Op::Place { worker, again, blocks }),
         3 => blocks.prop_map(|blocks| Op::Lookup { blocks }),
         1 => (0..WORKERS, 0usize..6).prop_map(|(worker, count)| Op::DropOldest { worker, count }),
         1 => (0..WORKERS, 1usize..30).prop_map(|(worker, capacity)| Op::SetCapacity { worker, capacity }),
@@ -66,6 +90,7 @@ proptest! {
             index.add_worker(16);
         }
         let mut overlaps = Vec::new();
+        let mut placed: Vec<Vec<u64>> = Vec::new();
         for op in ops {
             match op {
                 Op::Insert { worker, blocks } => {
@@ -74,6 +99,25 @@ proptest! {
                     let blocks: Vec<u64> = blocks.into_iter().filter(|b| seen.insert(*b)).collect();
                     let evicted = index.insert(WorkerId(worker), &blocks);
                     prop_assert_eq!(evicted, model.insert(worker, &blocks));
+                }
+                Op::Place { worker, again, blocks } => {
+                    let mut request = match again {
+                        Some((i, keep)) if !placed.is_empty() => {
+                            let earlier = &placed[i % placed.len()];
+                            earlier[..keep.min(earlier.len())].to_vec()
+                        }
+                        _ => Vec::new(),
+                    };
+                    request.extend(blocks);
+                    let mut seen = std::collections::HashSet::new();
+                    request.retain(|b| seen.insert(*b));
+                    index.overlaps(&request, &mut overlaps);
+                    for (w, overlap) in overlaps.iter().enumerate() {
+                        prop_assert_eq!(*overlap, model.overlap(w, &request), "worker {}", w);
+                    }
+                    let evicted = index.insert(WorkerId(worker), &request);
+                    prop_assert_eq!(evicted, model.insert(worker, &request));
+                    placed.push(request);
                 }
                 Op::Lookup { blocks } => {
                     index.overlaps(&blocks, &mut overlaps);

@@ -2,6 +2,7 @@ mod decisions;
 mod engine_capacity;
 mod engine_events;
 mod host_tier;
+mod index_memory;
 mod index_model;
 mod insight_ledger;
 mod retention;

@@ -19,9 +19,10 @@
 //! the cost sees, and the copy matters only once the GPU one goes, which is
 //! when it moves to the host list.
 
-use hashbrown::HashTable;
+mod holders;
 
 use crate::WorkerId;
+use holders::HolderTable;
 
 const NIL: u32 = u32::MAX;
 
@@ -91,32 +92,86 @@ impl Node {
 /// Nodes in fixed-size chunks: the arena grows a chunk at a time, never by
 /// doubling, so at tens of millions of entries it holds no more than one
 /// partly used chunk (a doubling vector holds up to twice what it needs).
+/// A chunk is filled by pushes, so its pages are touched as nodes arrive
+/// (a chunk written whole when it is added, 1.8 MB, stalls the Pick that
+/// adds it by a few hundred µs). Freed nodes are a list threaded through
+/// their `next_holder` fields: a node freed by an eviction is the next one
+/// allocated, and the free list costs no byte (it was a `Vec<u32>` of 4
+/// bytes per freed node, grown by doubling: one more copy of millions of
+/// ids inside some Pick).
 #[derive(Debug, Clone, Default)]
 struct Arena {
     chunks: Vec<Vec<Node>>,
     len: usize,
+    free_head: u32,
+    free_len: usize,
 }
 
 const CHUNK_BITS: usize = 16;
 const CHUNK: usize = 1 << CHUNK_BITS;
 
+/// What a freed node holds: never a match for the walk.
+const UNUSED: Node = Node {
+    hash_lo: 0,
+    hash_hi: 0,
+    newer: NIL,
+    older: NIL,
+    next_holder: NIL,
+    successor: NIL,
+    worker_tier: NIL,
+};
+
 impl Arena {
-    fn len(&self) -> usize {
-        self.len
+    fn new() -> Self {
+        Self {
+            free_head: NIL,
+            ..Self::default()
+        }
+    }
+
+    /// Nodes in use.
+    fn live(&self) -> usize {
+        self.len - self.free_len
     }
 
     fn get(&self, index: usize) -> Option<&Node> {
-        self.chunks.get(index >> CHUNK_BITS)?.get(index & (CHUNK - 1))
+        (index < self.len).then(|| &self[index])
     }
 
-    fn push(&mut self, node: Node) {
+    fn get_mut(&mut self, index: usize) -> Option<&mut Node> {
+        (index < self.len).then(|| &mut self[index])
+    }
+
+    /// Stores `node`, in a freed slot if there is one.
+    fn alloc(&mut self, node: Node) -> u32 {
+        if self.free_head != NIL {
+            let slot = self.free_head;
+            self.free_head = self[slot as usize].next_holder;
+            self.free_len -= 1;
+            self[slot as usize] = node;
+            return slot;
+        }
         if self.len.is_multiple_of(CHUNK) {
             self.chunks.push(Vec::with_capacity(CHUNK));
         }
+        let slot = self.len;
         if let Some(chunk) = self.chunks.last_mut() {
             chunk.push(node);
             self.len += 1;
         }
+        slot as u32
+    }
+
+    /// Returns `index` to the free list; it must never pass a successor
+    /// check again (its worker is `NIL`, which no worker is).
+    fn free(&mut self, index: u32) {
+        let next = self.free_head;
+        self[index as usize] = Node {
+            next_holder: next,
+            ..UNUSED
+        };
+        self.free_head = index;
+        self.free_len += 1;
     }
 
     fn allocated_bytes(&self) -> usize {
@@ -161,13 +216,25 @@ impl WorkerList {
     }
 }
 
+/// What `insert` found of a block on its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Touch {
+    /// Not held: a new node.
+    New,
+    /// Held in host memory only.
+    Host,
+    /// On the GPU, with its older neighbour in the list.
+    Gpu(u32),
+    /// The node given is not the worker's node of that block.
+    NotIts,
+}
+
 /// Block hash → holders, with per-worker LRU order and capacity.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct PrefixIndex {
     /// Node index of each block's first holder, keyed by the node's hash.
-    first_holder: HashTable<u32>,
+    first_holder: HolderTable,
     nodes: Arena,
-    free: Vec<u32>,
     /// Each worker's GPU list, and its host list (capacity 0: no host tier).
     workers: Vec<WorkerList>,
     hosts: Vec<WorkerList>,
@@ -180,58 +247,71 @@ pub struct PrefixIndex {
     host_run: Vec<u32>,
     /// Scratch for `insert`: the request's node on the worker, per block.
     placed: Vec<u32>,
+    /// The latest walk's matches, kept for the placement that follows it
+    /// (it would otherwise find the same nodes again, the same way): each
+    /// entry a matched node and the entry of its worker's previous block;
+    /// per worker its last entry and the walk that wrote it. Any removal
+    /// or insert since the walk ends their use (`trail_live`).
+    trail: Vec<(u32, u32)>,
+    trail_tail: Vec<u32>,
+    trail_walks: Vec<u32>,
+    trail_walk: u32,
+    trail_live: bool,
     /// Entries allowed in all, from the operator's byte budget: past it
     /// the fullest worker's oldest blocks go, whatever the caches hold.
     entry_budget: Option<usize>,
 }
 
-/// Heap bytes one entry can cost at worst: its node (28 B), its hash-table
-/// slot at the lowest load factor after a doubling (about 11.5 B) and a
-/// free-list slot (4 B).
+/// Heap bytes one entry costs at worst, for the byte budget: its node
+/// (28 B) and its share of the block tables while a full one drains into
+/// one twice its size (5 bytes a bucket, 3 buckets for every 7/8 of a
+/// bucket's entries: about 17 B). A same-size refresh, of a table whose
+/// slots were half tombstones, holds up to 23 B per live entry while it
+/// drains (a quarter of its entries in inserts): the budget can be passed
+/// by up to 6 % then.
 pub(crate) const MAX_BYTES_PER_ENTRY: usize = 48;
 
-/// Table hash of a block hash: block hashes are already uniform, one
-/// multiply spreads them over the table's bits.
-fn table_hash(hash: u64) -> u64 {
-    hash.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl PrefixIndex {
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            first_holder: HolderTable::default(),
+            nodes: Arena::new(),
+            workers: Vec::new(),
+            hosts: Vec::new(),
+            last_match: Vec::new(),
+            cursor: Vec::new(),
+            alive: Vec::new(),
+            host_run: Vec::new(),
+            placed: Vec::new(),
+            trail: Vec::new(),
+            trail_tail: Vec::new(),
+            trail_walks: Vec::new(),
+            trail_walk: 0,
+            trail_live: false,
+            entry_budget: None,
+        }
     }
 
     fn first_of(&self, hash: u64) -> Option<u32> {
         let nodes = &self.nodes;
-        self.first_holder
-            .find(table_hash(hash), |&n| nodes[n as usize].hash() == hash)
-            .copied()
+        self.first_holder.find(hash, |n| nodes[n as usize].hash())
     }
 
     /// Makes `node` the first holder of its block (inserting the block).
     fn set_first(&mut self, hash: u64, node: u32) {
         let nodes = &self.nodes;
-        match self
-            .first_holder
-            .find_mut(table_hash(hash), |&n| nodes[n as usize].hash() == hash)
-        {
-            Some(slot) => *slot = node,
-            None => {
-                let nodes = &self.nodes;
-                self.first_holder
-                    .insert_unique(table_hash(hash), node, |&n| table_hash(nodes[n as usize].hash()));
-            }
-        }
+        self.first_holder.set(hash, node, |n| nodes[n as usize].hash());
     }
 
     fn remove_block(&mut self, hash: u64) {
         let nodes = &self.nodes;
-        if let Ok(entry) = self
-            .first_holder
-            .find_entry(table_hash(hash), |&n| nodes[n as usize].hash() == hash)
-        {
-            entry.remove();
-        }
+        self.first_holder.remove(hash, |n| nodes[n as usize].hash());
     }
 
     /// Adds a worker whose cache holds `capacity` blocks.
@@ -244,6 +324,8 @@ impl PrefixIndex {
         self.last_match.push(NIL);
         self.cursor.push(NIL);
         self.host_run.push(0);
+        self.trail_tail.push(NIL);
+        self.trail_walks.push(NIL);
         WorkerId(self.workers.len() - 1)
     }
 
@@ -324,7 +406,7 @@ impl PrefixIndex {
 
     /// (block, worker) entries in all.
     pub fn entries(&self) -> usize {
-        self.nodes.len() - self.free.len()
+        self.nodes.live()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -359,13 +441,15 @@ impl PrefixIndex {
     pub fn memory_bytes(&self) -> usize {
         let map = self.first_holder.allocation_size();
         map + self.nodes.allocated_bytes()
-            + self.free.capacity() * size_of::<u32>()
             + (self.workers.capacity() + self.hosts.capacity()) * size_of::<WorkerList>()
             + (self.last_match.capacity()
                 + self.cursor.capacity()
                 + self.alive.capacity()
                 + self.placed.capacity()
-                + self.host_run.capacity())
+                + self.host_run.capacity()
+                + self.trail_tail.capacity()
+                + self.trail_walks.capacity()
+                + 2 * self.trail.capacity())
                 * size_of::<u32>()
     }
 
@@ -383,6 +467,7 @@ impl PrefixIndex {
         overlaps.clear();
         overlaps.resize(self.workers.len(), 0);
         self.alive.clear();
+        self.trail_live = false;
         let Some(&first_hash) = hashes.first() else {
             if let Some(host_only) = host_only {
                 host_only.clear();
@@ -394,6 +479,10 @@ impl PrefixIndex {
         // index without host tiers walks as fast as before (the count costs
         // a node read per matched block).
         let tiered = self.hosts.iter().any(|h| h.len > 0);
+        self.trail.clear();
+        self.trail_walk = self.trail_walk.wrapping_add(1);
+        self.trail_live = true;
+        let walk = self.trail_walk;
         // Block 0: every holder starts a run.
         let mut node = self.first_of(first_hash).unwrap_or(NIL);
         while node != NIL {
@@ -403,13 +492,20 @@ impl PrefixIndex {
             self.cursor[w as usize] = node;
             self.last_match[w as usize] = 0;
             self.host_run[w as usize] = u32::from(n.host_only());
+            self.trail_tail[w as usize] = self.trail.len() as u32;
+            self.trail_walks[w as usize] = walk;
+            self.trail.push((node, NIL));
             node = n.next_holder;
         }
         // Each further block: a worker continues if it holds it too, found
         // through its successor link, else through one table probe shared
         // by the workers whose link missed.
         for (i, &hash) in hashes.iter().enumerate().skip(1) {
-            if self.alive.is_empty() {
+            if self.alive.len() <= 1 {
+                // One worker left, the common case past a shared prefix (a
+                // session's own blocks are on its home only): its run goes
+                // on with its cursor in registers, not in the scratch.
+                self.walk_alone(hashes, i, tiered);
                 break;
             }
             let mut probed: Option<u32> = None;
@@ -430,6 +526,9 @@ impl PrefixIndex {
                 if let Some(next) = next {
                     self.cursor[w as usize] = next;
                     self.last_match[w as usize] = i as u32;
+                    let previous = self.trail_tail[w as usize];
+                    self.trail_tail[w as usize] = self.trail.len() as u32;
+                    self.trail.push((next, previous));
                     if tiered {
                         self.host_run[w as usize] += u32::from(self.nodes[next as usize].host_only());
                     }
@@ -455,6 +554,45 @@ impl PrefixIndex {
             }
             node = n.next_holder;
         }
+    }
+
+    /// The walk from block `from` on, with only `alive[0]` (if any) still
+    /// matching: the same steps as `overlaps_by_tier`'s loop for one worker.
+    fn walk_alone(&mut self, hashes: &[u64], from: usize, tiered: bool) {
+        let Some(&w) = self.alive.first() else { return };
+        let wi = w as usize;
+        let (mut cursor, mut entry) = (self.cursor[wi], self.trail_tail[wi]);
+        let (mut last, mut host) = (self.last_match[wi], self.host_run[wi]);
+        self.trail.reserve(hashes.len().saturating_sub(from));
+        // The node matched last is read once: its successor link is kept
+        // for the next block (reading the arena is most of the walk).
+        let mut successor = self.nodes[cursor as usize].successor;
+        for (i, &hash) in hashes.iter().enumerate().skip(from) {
+            let linked = (successor != NIL)
+                .then(|| self.nodes.get(successor as usize))
+                .flatten()
+                .filter(|s| s.worker() == w && s.hash() == hash);
+            let (next, n) = match linked {
+                Some(&n) => (successor, n),
+                None => match self.find(w, hash) {
+                    Some(next) => (next, self.nodes[next as usize]),
+                    None => break,
+                },
+            };
+            cursor = next;
+            successor = n.successor;
+            last = i as u32;
+            self.trail.push((next, entry));
+            entry = (self.trail.len() - 1) as u32;
+            if tiered {
+                host += u32::from(n.host_only());
+            }
+        }
+        self.cursor[wi] = cursor;
+        self.last_match[wi] = last;
+        self.trail_tail[wi] = entry;
+        self.host_run[wi] = host;
+        self.alive.clear();
     }
 
     /// `worker`'s node in the holder chain starting at `first`.
@@ -491,11 +629,14 @@ impl PrefixIndex {
         }
         let worker_u32 = w as u32;
         // Forward: find the nodes the worker already has, following
-        // successor links as the lookup does.
+        // successor links as the lookup does; the leading ones from the
+        // walk just before, when nothing changed since (each is checked
+        // against its block, so a walk of other blocks is never used).
         let mut placed = std::mem::take(&mut self.placed);
         placed.clear();
-        let mut previous = NIL;
-        for &hash in hashes {
+        let walked = self.walked_prefix(w, hashes, &mut placed);
+        let mut previous = placed.last().copied().unwrap_or(NIL);
+        for &hash in &hashes[walked..] {
             let linked = (previous != NIL)
                 .then(|| self.nodes[previous as usize].successor)
                 .filter(|&s| s != NIL)
@@ -509,28 +650,68 @@ impl PrefixIndex {
             previous = node;
         }
         // Backward: touch or create each block, last first (so the first
-        // block ends newest), and link each to the block after it. A
-        // host-only block is back on the GPU: the engine loaded it.
+        // block ends newest), and link each to the block after it. Blocks
+        // that already follow one another in the worker's list, in request
+        // order (a session's prefix placed there before and not touched
+        // since), move to the newest end as one run: two links at each end
+        // instead of an unlink and a push per block. The list comes out as
+        // one push per block, last first, would leave it (callgrind at 10M
+        // entries, 64 workers, 1,600 blocks: the unlink and push were 290k
+        // of the 667k instructions of a Pick). A host-only block is back on
+        // the GPU: the engine loaded it.
         let mut after = NIL;
+        // The GPU nodes waiting to move, newest end first: each one's
+        // `older` is the next, as in the list now.
+        let (mut run_first, mut run_last) = (NIL, NIL);
         for (i, &hash) in hashes.iter().enumerate().rev() {
-            let node = if placed[i] != NIL {
-                self.unlink_lru(placed[i]);
-                if self.nodes[placed[i] as usize].host_only() {
-                    self.nodes[placed[i] as usize].set_host_only(false);
+            let mut found = placed[i];
+            let mut read = self.read_for_touch(found, worker_u32, hash, after);
+            if read == Touch::NotIts {
+                // A node from the walk that is not this worker's node of
+                // this block (the walk was of other blocks: never in the
+                // router's own use) is looked up as the forward pass would.
+                found = self.find(worker_u32, hash).unwrap_or(NIL);
+                read = self.read_for_touch(found, worker_u32, hash, after);
+            }
+            let gpu_older = match read {
+                Touch::Gpu(older) => Some(older),
+                _ => None,
+            };
+            let node = if let Some(older) = gpu_older {
+                if run_first == NIL || older != run_first {
+                    if run_first != NIL {
+                        self.move_run_newest(w, run_first, run_last);
+                    }
+                    run_last = found;
+                }
+                run_first = found;
+                found
+            } else {
+                if run_first != NIL {
+                    self.move_run_newest(w, run_first, run_last);
+                    run_first = NIL;
+                }
+                let node = if found != NIL {
+                    self.unlink_lru(found);
+                    self.nodes[found as usize].set_host_only(false);
                     self.hosts[w].len -= 1;
                     self.workers[w].len += 1;
-                }
-                placed[i]
-            } else {
-                let next_holder = self.first_of(hash).unwrap_or(NIL);
-                let node = self.alloc(Node::new(hash, worker_u32, next_holder));
-                self.set_first(hash, node);
-                self.workers[w].len += 1;
+                    found
+                } else {
+                    let next_holder = self.first_of(hash).unwrap_or(NIL);
+                    let node = self.nodes.alloc(Node::new(hash, worker_u32, next_holder));
+                    self.set_first(hash, node);
+                    self.workers[w].len += 1;
+                    node
+                };
+                self.push_newest(node);
+                self.nodes[node as usize].successor = after;
                 node
             };
-            self.push_newest(node);
-            self.nodes[node as usize].successor = after;
             after = node;
+        }
+        if run_first != NIL {
+            self.move_run_newest(w, run_first, run_last);
         }
         self.placed = placed;
         self.evict_over_capacity(w) + self.evict_over_budget()
@@ -667,16 +848,6 @@ impl PrefixIndex {
         }
     }
 
-    fn alloc(&mut self, node: Node) -> u32 {
-        if let Some(slot) = self.free.pop() {
-            self.nodes[slot as usize] = node;
-            slot
-        } else {
-            self.nodes.push(node);
-            (self.nodes.len() - 1) as u32
-        }
-    }
-
     fn push_newest(&mut self, node: u32) {
         let list = self.list_of(node);
         let old_newest = list.newest;
@@ -689,6 +860,75 @@ impl PrefixIndex {
         if old_newest != NIL {
             self.nodes[old_newest as usize].newer = node;
         }
+    }
+
+    /// One read of a node being placed, for its tier, its list neighbour
+    /// and its successor (which becomes `after`); indexing the arena is
+    /// most of the placement's work.
+    fn read_for_touch(&mut self, node: u32, worker: u32, hash: u64, after: u32) -> Touch {
+        if node == NIL {
+            return Touch::New;
+        }
+        let Some(n) = self.nodes.get_mut(node as usize) else {
+            return Touch::NotIts;
+        };
+        if n.worker_tier & WORKER_MASK != worker || n.hash() != hash {
+            return Touch::NotIts;
+        }
+        if n.host_only() {
+            return Touch::Host;
+        }
+        if n.successor != after {
+            n.successor = after;
+        }
+        Touch::Gpu(n.older)
+    }
+
+    /// Writes into `placed` worker `w`'s nodes of the leading blocks the
+    /// latest walk matched, if it is still good (no removal or insert
+    /// since); returns how many. The placement checks each against its
+    /// block as it reads it, so a walk of other blocks is never trusted.
+    fn walked_prefix(&mut self, w: usize, hashes: &[u64], placed: &mut Vec<u32>) -> usize {
+        if !std::mem::replace(&mut self.trail_live, false) || self.trail_walks[w] != self.trail_walk {
+            return 0;
+        }
+        let run = self.last_match[w] as usize + 1;
+        if run > hashes.len() {
+            return 0;
+        }
+        placed.resize(run, NIL);
+        let mut entry = self.trail_tail[w];
+        for j in (0..run).rev() {
+            let Some(&(node, previous)) = self.trail.get(entry as usize) else {
+                placed.clear();
+                return 0;
+            };
+            placed[j] = node;
+            entry = previous;
+        }
+        run
+    }
+
+    /// Moves the run of worker `w`'s GPU nodes from `first` (the newest
+    /// end) through `last`, linked by `older` in between, to the newest end
+    /// of its list, in their order.
+    fn move_run_newest(&mut self, w: usize, first: u32, last: u32) {
+        let newest = self.workers[w].newest;
+        if newest == first {
+            return;
+        }
+        let before = self.nodes[first as usize].newer;
+        let after = self.nodes[last as usize].older;
+        self.nodes[before as usize].older = after;
+        if after == NIL {
+            self.workers[w].oldest = before;
+        } else {
+            self.nodes[after as usize].newer = before;
+        }
+        self.nodes[last as usize].older = newest;
+        self.nodes[newest as usize].newer = last;
+        self.nodes[first as usize].newer = NIL;
+        self.workers[w].newest = first;
     }
 
     fn unlink_lru(&mut self, node: u32) {
@@ -709,6 +949,7 @@ impl PrefixIndex {
     }
 
     fn remove_node(&mut self, node: u32) {
+        self.trail_live = false;
         self.unlink_lru(node);
         let removed = self.nodes[node as usize];
         let (hash, next_holder) = (removed.hash(), removed.next_holder);
@@ -734,9 +975,7 @@ impl PrefixIndex {
                 }
             }
         }
-        // A freed node must never pass a successor check.
-        self.nodes[node as usize].worker_tier = NIL;
-        self.free.push(node);
+        self.nodes.free(node);
     }
 }
 

@@ -147,6 +147,11 @@ impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
         removed
     }
 
+    /// Entries the map's table has room for without growing.
+    pub fn allocated(&self) -> usize {
+        self.entries.capacity()
+    }
+
     /// The stamp of the newest touch: entries touched later have larger ones.
     pub fn stamp(&self) -> u64 {
         self.clock

@@ -5,4 +5,5 @@ mod host_tier;
 mod index_model;
 mod insight_ledger;
 mod retention;
+mod tick_steps;
 mod wire_numbers;

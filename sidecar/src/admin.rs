@@ -47,15 +47,29 @@ pub(crate) fn routes(shared: Shared, token: Option<String>) -> HttpRouter {
         .with_state(shared)
 }
 
-/// The ledger's tick for a page, off the async workers (see
-/// `Shared::fresh_insights`).
-async fn fresh_insights(shared: &Shared) {
-    let ticking = shared.clone();
-    let _ = tokio::task::spawn_blocking(move || ticking.fresh_insights()).await;
+/// Runs a page's work on a blocking thread, off the async workers the gRPC
+/// streams run on: with two of them (one per core), a page built on one
+/// (a ledger pass, a thousand rows of JSON, 2-5 ms) held every Pick queued
+/// behind it on that thread.
+async fn off_workers<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, StatusCode> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)
 }
 
-async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
-    fresh_insights(&shared).await;
+async fn metrics(State(shared): State<Shared>) -> Result<impl IntoResponse, StatusCode> {
+    let text = off_workers(move || metrics_text(&shared)).await?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    ))
+}
+
+fn metrics_text(shared: &Shared) -> String {
+    shared.fresh_insights();
     let (workers, sizes) = {
         let router = shared.router();
         let index = router.index();
@@ -71,13 +85,7 @@ async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
             },
         )
     };
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        shared.metrics.render(&workers, sizes),
-    )
+    shared.metrics.render(&workers, sizes)
 }
 
 /// A page of `/debug/sessions`: `offset` and `limit` count sessions from the
@@ -105,7 +113,11 @@ const ROWS_PER_LOCK: usize = 1000;
 /// the page is read moves to the front and may drop out of a deep page.
 /// The idle sessions are the ledger's last tick's list, which holds the
 /// largest [`kvmesh_core::IDLE_LIST_MAX`].
-async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> impl IntoResponse {
+async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> Result<impl IntoResponse, StatusCode> {
+    off_workers(move || axum::Json(sessions_page(&shared, &page))).await
+}
+
+fn sessions_page(shared: &Shared, page: &Page) -> serde_json::Value {
     let now = now_ms();
     let offset = page.offset.unwrap_or(0);
     let limit = page.limit.unwrap_or(PAGE_DEFAULT).min(PAGE_MAX);
@@ -156,7 +168,7 @@ async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> imp
         })
         .collect();
     // What idle sessions hold while their agents wait on tools.
-    fresh_insights(&shared).await;
+    shared.fresh_insights();
     let tick = shared.insights().last_tick();
     let since_tick = now.saturating_sub(tick.taken_ms);
     let idle: Vec<serde_json::Value> = tick
@@ -176,13 +188,13 @@ async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> imp
             })
         })
         .collect();
-    axum::Json(serde_json::json!({
+    serde_json::json!({
         "count": total,
         "offset": offset,
         "sessions": sessions,
         "idle_count": tick.idle_count,
         "idle": idle,
-    }))
+    })
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -199,8 +211,15 @@ struct ReportQuery {
 /// buckets per harness) are copied; the evicted idle sessions come from the
 /// ledger's last tick, and the ledger builds the report under its own lock,
 /// after.
-async fn report(State(shared): State<Shared>, Query(query): Query<ReportQuery>) -> impl IntoResponse {
-    fresh_insights(&shared).await;
+async fn report(
+    State(shared): State<Shared>,
+    Query(query): Query<ReportQuery>,
+) -> Result<impl IntoResponse, StatusCode> {
+    off_workers(move || axum::Json(report_page(&shared, &query))).await
+}
+
+fn report_page(shared: &Shared, query: &ReportQuery) -> crate::report::AgentReport {
+    shared.fresh_insights();
     let now = now_ms();
     let window_ms = query.window_secs.unwrap_or(3600).saturating_mul(1000);
     let extra_kv_gb = query
@@ -212,7 +231,7 @@ async fn report(State(shared): State<Shared>, Query(query): Query<ReportQuery>) 
     let tick = shared.insights().last_tick();
     let (report, retention) =
         crate::retention_report::build(&shared.insights(), &fleet, &tick.evicted, now, window_ms, extra_kv_gb);
-    axum::Json(crate::report::to_json(&report, retention))
+    crate::report::to_json(&report, retention)
 }
 
 /// Where sessions' prefixes broke since the start, most frequent first:
@@ -258,7 +277,11 @@ async fn readyz(State(shared): State<Shared>) -> impl IntoResponse {
     }
 }
 
-async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
+async fn workers(State(shared): State<Shared>) -> Result<impl IntoResponse, StatusCode> {
+    off_workers(move || axum::Json(workers_page(&shared))).await
+}
+
+fn workers_page(shared: &Shared) -> serde_json::Value {
     let now = now_ms();
     let views: Vec<WorkerView> = shared.router().workers_at(now);
     // One worker's retention residents per hold of the router's lock: all
@@ -297,7 +320,7 @@ async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
             })
         })
         .collect();
-    axum::Json(serde_json::json!({ "workers": workers }))
+    serde_json::json!({ "workers": workers })
 }
 
 /// `kvmesh-sidecar report`: fetches the report and prints it.

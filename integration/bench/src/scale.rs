@@ -440,6 +440,7 @@ async fn drive(
         .await?;
     let steady_ended = Instant::now();
     let (rss_wave1, _) = memory_kib(pid);
+    print_sizes(&http, admin, "end of wave 1").await;
 
     // The debug pages in a loop, one fetch after another, while Picks go on.
     let fetches: Arc<Mutex<Vec<(usize, Duration)>>> = Arc::default();
@@ -489,6 +490,7 @@ async fn drive(
             gauge(&metrics, "kvmesh_sessions").unwrap_or(f64::NAN),
             gauge(&metrics, "kvmesh_index_entries").unwrap_or(f64::NAN)
         );
+        print_sizes(&http, admin, "after expiry").await;
         warm2_took = driver.warm(2, sessions, Phase::Wave2Warm).await?;
         let mut calls2 = vec![0u64; sessions];
         let started = Instant::now();
@@ -499,6 +501,7 @@ async fn drive(
         let (rss, hwm) = memory_kib(pid);
         summary.rss_wave2_kib = rss;
         summary.hwm_wave2_kib = hwm;
+        print_sizes(&http, admin, "end of wave 2").await;
     }
     // The last replies.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -624,6 +627,21 @@ async fn drive(
         mib(summary.hwm_wave2_kib)
     );
     Ok(summary)
+}
+
+/// What the sidecar says its index and ledger hold, to tell their memory
+/// from the allocator's.
+async fn print_sizes(http: &reqwest::Client, admin: std::net::SocketAddr, when: &str) {
+    let Ok(reply) = http.get(format!("http://{admin}/metrics")).send().await else {
+        return;
+    };
+    let Ok(text) = reply.text().await else { return };
+    let mib_of = |name: &str| gauge(&text, name).unwrap_or(f64::NAN) / f64::from(1 << 20);
+    println!(
+        "  {when}: kvmesh_index_bytes {:.0} MiB, kvmesh_insight_trace_bytes {:.0} MiB",
+        mib_of("kvmesh_index_bytes"),
+        mib_of("kvmesh_insight_trace_bytes")
+    );
 }
 
 /// Tells the fetch loop to end.

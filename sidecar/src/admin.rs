@@ -150,11 +150,13 @@ fn sessions_page(shared: &Shared, page: &Page) -> serde_json::Value {
                 )
             }));
         }
+        drop(router);
         // The walk reached the oldest session.
         if resume == cursor {
             break;
         }
         cursor = resume;
+        crate::state::between_locks();
     }
     let sessions: Vec<serde_json::Value> = rows
         .into_iter()
@@ -287,7 +289,11 @@ fn workers_page(shared: &Shared) -> serde_json::Value {
     // One worker's retention residents per hold of the router's lock: all
     // of them at once walked every live session under it.
     let retained: Vec<(usize, f64)> = (0..views.len())
-        .map(|i| shared.router().retention().worker_value(WorkerId(i), now))
+        .map(|i| {
+            let value = shared.router().retention().worker_value(WorkerId(i), now);
+            crate::state::between_locks();
+            value
+        })
         .collect();
     let workers: Vec<serde_json::Value> = views
         .into_iter()

@@ -186,6 +186,9 @@ fn gauge(metrics: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// One `/metrics` scrape: when, index entries, live sessions, how long it took.
+type Scrape = (Instant, f64, f64, Duration);
+
 /// What one run measured, for the summary table.
 #[derive(Debug, Default)]
 struct RunSummary {
@@ -404,7 +407,7 @@ async fn drive(
 
     // The Prometheus-like scrape, all run long.
     let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?;
-    let scrapes: Arc<Mutex<Vec<(Instant, f64, f64, Duration)>>> = Arc::default();
+    let scrapes: Arc<Mutex<Vec<Scrape>>> = Arc::default();
     let scraper = {
         let (http, scrapes, every) = (http.clone(), scrapes.clone(), Duration::from_secs(options.scrape_secs));
         tokio::spawn(async move {
@@ -599,8 +602,8 @@ async fn drive(
     for (at, worst, n) in bursts.iter().take(20) {
         let entries = scrapes
             .iter()
-            .filter(|(t, ..)| t <= at)
-            .last()
+            .rev()
+            .find(|(t, ..)| t <= at)
             .map_or(f64::NAN, |(_, e, ..)| *e);
         println!(
             "  stall at {:.1} s: {n} Picks over {} ms, worst {:.1} ms (index entries at the scrape before: {entries})",

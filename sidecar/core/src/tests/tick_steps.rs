@@ -170,7 +170,7 @@ proptest! {
         }
         // Newest first, ties by the order they were seen (never reordered).
         let mut reference: Vec<(String, u64)> = seen.into_iter().collect();
-        reference.sort_by(|a, b| b.1.cmp(&a.1));
+        reference.sort_by_key(|r| std::cmp::Reverse(r.1));
         let mut walked = Vec::new();
         let mut cursor = u64::MAX;
         loop {

@@ -599,7 +599,10 @@ async fn drive(
             _ => bursts.push((s.answered, s.waited, 1)),
         }
     }
-    for (at, worst, n) in bursts.iter().take(20) {
+    let count = bursts.len();
+    // The worst first: a scrape's or a rehash's stall, not the machine's noise.
+    bursts.sort_by(|a, b| b.1.cmp(&a.1));
+    for (at, worst, n) in bursts.iter().take(12) {
         let entries = scrapes
             .iter()
             .rev()
@@ -612,9 +615,7 @@ async fn drive(
             ms(*worst)
         );
     }
-    if bursts.len() > 20 {
-        println!("  ... {} stall bursts in all", bursts.len());
-    }
+    println!("  {count} stall bursts in all");
     for (t, entries, live, took) in &scrapes {
         println!(
             "  scrape at {:.0} s: {took:.1?}, kvmesh_index_entries {entries}, kvmesh_sessions {live}",

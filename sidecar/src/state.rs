@@ -141,12 +141,14 @@ impl Shared {
 
 /// A pause between two holds of the same lock in a loop. A std mutex is
 /// not fair: a thread that unlocks and locks again at once keeps it while
-/// the Picks it woke are still being scheduled, so a pass of a hundred
-/// steps held Picks up to 72 ms (100,000 sessions, `kvmesh-bench scale`)
-/// though no step held the lock 1 ms. 50 µs lets them in; a pass of 100
-/// steps is about 10 ms longer.
+/// the Picks it woke are still being scheduled. And on two cores a pass
+/// that never sleeps takes a core from the Picks for its whole length: a
+/// pass of a hundred steps (100,000 sessions, `kvmesh-bench scale`) held
+/// Picks up to 216 ms with a 50 µs pause, though no step held a lock 1 ms.
+/// At 500 µs a pass runs at most about 40 % of a core and lasts about
+/// 100 steps × 0.85 ms.
 pub(crate) fn between_locks() {
-    std::thread::sleep(std::time::Duration::from_micros(50));
+    std::thread::sleep(std::time::Duration::from_micros(500));
 }
 
 /// Sessions one step of the ledger's tick visits: about 0.35 ms under the

@@ -244,10 +244,28 @@ pub fn start_sidecar(
     workers: &[SocketAddr],
     extra_args: &[String],
 ) -> anyhow::Result<(Process, SocketAddr, SocketAddr)> {
+    start_sidecar_binary(
+        &paths::binary("kvmesh-sidecar", profile)?,
+        dir,
+        grpc,
+        workers,
+        extra_args,
+    )
+}
+
+/// [`start_sidecar`] with a given binary: a benchmark runs another commit's
+/// build side by side with this one.
+pub fn start_sidecar_binary(
+    binary: &std::path::Path,
+    dir: &std::path::Path,
+    grpc: SocketAddr,
+    workers: &[SocketAddr],
+    extra_args: &[String],
+) -> anyhow::Result<(Process, SocketAddr, SocketAddr)> {
     let worker_list = workers.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
     let mut sidecar = Process::spawn(
         "sidecar",
-        &paths::binary("kvmesh-sidecar", profile)?,
+        binary,
         &[
             "--grpc-listen".into(),
             grpc.to_string(),

@@ -47,8 +47,29 @@ pub(crate) fn routes(shared: Shared, token: Option<String>) -> HttpRouter {
         .with_state(shared)
 }
 
-async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
-    shared.tick_insights();
+/// Runs a page's work on a blocking thread, off the async workers the gRPC
+/// streams run on: with two of them (one per core), a page built on one
+/// (a ledger pass, a thousand rows of JSON, 2-5 ms) held every Pick queued
+/// behind it on that thread.
+async fn off_workers<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, StatusCode> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+async fn metrics(State(shared): State<Shared>) -> Result<impl IntoResponse, StatusCode> {
+    let text = off_workers(move || metrics_text(&shared)).await?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    ))
+}
+
+fn metrics_text(shared: &Shared) -> String {
+    shared.fresh_insights();
     let (workers, sizes) = {
         let router = shared.router();
         let index = router.index();
@@ -64,13 +85,7 @@ async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
             },
         )
     };
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        shared.metrics.render(&workers, sizes),
-    )
+    shared.metrics.render(&workers, sizes)
 }
 
 /// A page of `/debug/sessions`: `offset` and `limit` count sessions from the
@@ -85,47 +100,64 @@ struct Page {
 const PAGE_DEFAULT: usize = 1000;
 const PAGE_MAX: usize = 10_000;
 
+/// Sessions copied per hold of the router's lock: about 0.1 ms.
+const ROWS_PER_LOCK: usize = 1000;
+
 /// Session ids, homes and idle times: ids and counts only, never prompt text.
 ///
-/// Every Pick waits on the router's lock, so under it this only copies out
-/// the page asked for (a selection, not a sort of the whole table) and the
-/// workers' addresses; the JSON is built after the lock is released. The
-/// idle sessions come from the insight ledger, under its own lock.
-async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> impl IntoResponse {
+/// Every Pick waits on the router's lock, so this takes it for at most
+/// [`ROWS_PER_LOCK`] sessions at a time, walking the session table from
+/// the most recently seen: a page costs its offset and rows, not the table
+/// (copying and sorting every session took 310-390 ms at 100,000, and
+/// fetched in a loop held Picks to about 25/s). A session seen again while
+/// the page is read moves to the front and may drop out of a deep page.
+/// The idle sessions are the ledger's last tick's list, which holds the
+/// largest [`kvmesh_core::IDLE_LIST_MAX`].
+async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> Result<impl IntoResponse, StatusCode> {
+    off_workers(move || axum::Json(sessions_page(&shared, &page))).await
+}
+
+fn sessions_page(shared: &Shared, page: &Page) -> serde_json::Value {
     let now = now_ms();
     let offset = page.offset.unwrap_or(0);
     let limit = page.limit.unwrap_or(PAGE_DEFAULT).min(PAGE_MAX);
-    let probes = shared.insights().idle_probes();
-    let (total, rows, addresses, holdings) = {
+    let (total, addresses) = {
         let router = shared.router();
-        // Newest first: sorted by how long ago each was seen.
-        let mut newest: Vec<(u64, &str, WorkerId)> = router
-            .sessions()
-            .iter()
-            .map(|(id, home, seen)| (now.saturating_sub(seen), id, home))
-            .collect();
-        let total = newest.len();
-        let wanted = offset.saturating_add(limit).min(total);
-        if wanted > 0 && wanted < total {
-            newest.select_nth_unstable(wanted - 1);
-            newest.truncate(wanted);
-        }
-        newest.sort_unstable();
-        let rows: Vec<(String, Option<String>, u64, Option<String>)> = newest
-            .into_iter()
-            .skip(offset)
-            .map(|(idle_ms, id, home)| {
+        let addresses: Vec<String> = router.workers().into_iter().map(|w| w.address).collect();
+        (router.sessions().len(), addresses)
+    };
+    let mut cursor = u64::MAX;
+    let mut skip = offset.min(total);
+    let mut rows: Vec<(String, Option<String>, u64, Option<String>)> = Vec::with_capacity(limit.min(total));
+    while rows.len() < limit {
+        let router = shared.router();
+        let table = router.sessions();
+        let want = if skip > 0 {
+            skip.min(ROWS_PER_LOCK)
+        } else {
+            (limit - rows.len()).min(ROWS_PER_LOCK)
+        };
+        let (found, resume) = table.newest_before(cursor, want);
+        if skip > 0 {
+            skip -= found.len();
+        } else {
+            rows.extend(found.iter().map(|&(id, home, seen)| {
                 (
                     id.to_owned(),
-                    router.address(home).map(str::to_owned),
-                    idle_ms,
-                    router.sessions().parent(id).map(str::to_owned),
+                    addresses.get(home.0).cloned(),
+                    now.saturating_sub(seen),
+                    table.parent(id).map(str::to_owned),
                 )
-            })
-            .collect();
-        let addresses: Vec<String> = router.workers().into_iter().map(|w| w.address).collect();
-        (total, rows, addresses, router.holdings(&probes))
-    };
+            }));
+        }
+        drop(router);
+        // The walk reached the oldest session.
+        if resume == cursor {
+            break;
+        }
+        cursor = resume;
+        crate::state::between_locks();
+    }
     let sessions: Vec<serde_json::Value> = rows
         .into_iter()
         .map(|(id, home, idle_ms, parent)| {
@@ -138,10 +170,12 @@ async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> imp
         })
         .collect();
     // What idle sessions hold while their agents wait on tools.
-    let idle = shared.insights().idle_sessions(now, &holdings);
-    let idle_count = idle.len();
-    let idle: Vec<serde_json::Value> = idle
-        .into_iter()
+    shared.fresh_insights();
+    let tick = shared.insights().last_tick();
+    let since_tick = now.saturating_sub(tick.taken_ms);
+    let idle: Vec<serde_json::Value> = tick
+        .idle
+        .iter()
         .skip(offset)
         .take(limit)
         .map(|s| {
@@ -151,18 +185,18 @@ async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> imp
                 "harness": s.harness,
                 "worker": addresses.get(s.worker.0),
                 "kv_bytes": s.kv_bytes.round(),
-                "idle_ms": s.idle_ms,
+                "idle_ms": s.idle_ms + since_tick,
                 "recompute_ms": s.recompute_ms.round(),
             })
         })
         .collect();
-    axum::Json(serde_json::json!({
+    serde_json::json!({
         "count": total,
         "offset": offset,
         "sessions": sessions,
-        "idle_count": idle_count,
+        "idle_count": tick.idle_count,
         "idle": idle,
-    }))
+    })
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -176,20 +210,30 @@ struct ReportQuery {
 /// What agents gained over a window, per tenant and harness (`kvmesh-sidecar report`).
 ///
 /// Under the router's lock only the return-gap histograms (about 20
-/// buckets per harness) and the idle sessions' holdings are copied; the
-/// ledger builds the report under its own lock, after.
-async fn report(State(shared): State<Shared>, Query(query): Query<ReportQuery>) -> impl IntoResponse {
-    shared.tick_insights();
+/// buckets per harness) are copied; the evicted idle sessions come from the
+/// ledger's last tick, and the ledger builds the report under its own lock,
+/// after.
+async fn report(
+    State(shared): State<Shared>,
+    Query(query): Query<ReportQuery>,
+) -> Result<impl IntoResponse, StatusCode> {
+    off_workers(move || axum::Json(report_page(&shared, &query))).await
+}
+
+fn report_page(shared: &Shared, query: &ReportQuery) -> crate::report::AgentReport {
+    shared.fresh_insights();
     let now = now_ms();
     let window_ms = query.window_secs.unwrap_or(3600).saturating_mul(1000);
     let extra_kv_gb = query
         .extra_kv_gb
         .filter(|gb| gb.is_finite() && *gb >= 0.0)
         .unwrap_or(crate::retention_report::DEFAULT_EXTRA_KV_GB);
-    let probes = shared.insights().idle_probes();
-    let fleet = crate::retention_report::FleetSnapshot::take(&shared.router(), &probes);
-    let (report, retention) = crate::retention_report::build(&shared.insights(), &fleet, now, window_ms, extra_kv_gb);
-    axum::Json(crate::report::to_json(&report, retention))
+    // The evicted idle sessions are the last tick's: it asked the fleet.
+    let fleet = crate::retention_report::FleetSnapshot::take(&shared.router());
+    let tick = shared.insights().last_tick();
+    let (report, retention) =
+        crate::retention_report::build(&shared.insights(), &fleet, &tick.evicted, now, window_ms, extra_kv_gb);
+    crate::report::to_json(&report, retention)
 }
 
 /// Where sessions' prefixes broke since the start, most frequent first:
@@ -235,16 +279,22 @@ async fn readyz(State(shared): State<Shared>) -> impl IntoResponse {
     }
 }
 
-async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
+async fn workers(State(shared): State<Shared>) -> Result<impl IntoResponse, StatusCode> {
+    off_workers(move || axum::Json(workers_page(&shared))).await
+}
+
+fn workers_page(shared: &Shared) -> serde_json::Value {
     let now = now_ms();
-    let (views, retained): (Vec<WorkerView>, Vec<(usize, f64)>) = {
-        let router = shared.router();
-        let views = router.workers_at(now);
-        let retained = (0..views.len())
-            .map(|i| router.retention().worker_value(WorkerId(i), now))
-            .collect();
-        (views, retained)
-    };
+    let views: Vec<WorkerView> = shared.router().workers_at(now);
+    // One worker's retention residents per hold of the router's lock: all
+    // of them at once walked every live session under it.
+    let retained: Vec<(usize, f64)> = (0..views.len())
+        .map(|i| {
+            let value = shared.router().retention().worker_value(WorkerId(i), now);
+            crate::state::between_locks();
+            value
+        })
+        .collect();
     let workers: Vec<serde_json::Value> = views
         .into_iter()
         .zip(retained)
@@ -276,7 +326,7 @@ async fn workers(State(shared): State<Shared>) -> impl IntoResponse {
             })
         })
         .collect();
-    axum::Json(serde_json::json!({ "workers": workers }))
+    serde_json::json!({ "workers": workers })
 }
 
 /// `kvmesh-sidecar report`: fetches the report and prints it.

@@ -4,9 +4,10 @@
 //! prices given to `kvmesh-sidecar report`) what the same traffic would cost
 //! on a managed API with cache pricing. Counts, times and tokens only.
 //!
-//! Pure: the admin edge copies the router's return-gap histograms and the
-//! fleet's holdings under the router's lock ([`FleetSnapshot::take`]), then
-//! builds the section from them and the ledger ([`sections`]).
+//! Pure: the admin edge copies the router's return-gap histograms under
+//! the router's lock ([`FleetSnapshot::take`]), then builds the section
+//! from them, the ledger and its last tick's evicted idle sessions
+//! ([`sections`]).
 //!
 //! ## The figures
 //!
@@ -49,7 +50,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use kvmesh_core::retention::{GAP_BUCKETS, GapHistogram, bucket_upper_ms};
-use kvmesh_core::{Harness, Holdings, IdleSession, Insights, Report, Router, WorkerId};
+use kvmesh_core::{Harness, IdleSession, Insights, Report, Router, WorkerId};
 use serde::{Deserialize, Serialize};
 
 /// Bytes in the GB of `--extra-kv-gb`.
@@ -58,26 +59,22 @@ const GB: f64 = 1e9;
 pub(crate) const DEFAULT_EXTRA_KV_GB: f64 = 8.0;
 
 /// What the section needs of the router, copied under its lock: about 20
-/// buckets per harness and one bool per idle session.
+/// buckets per harness (the evicted idle sessions come from the ledger's
+/// tick, which asked the fleet about them in steps).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct FleetSnapshot {
-    pub(crate) holdings: Holdings,
     gaps: Vec<(Harness, GapHistogram)>,
 }
 
 impl FleetSnapshot {
-    /// `probes` are the ledger's [`Insights::idle_probes`].
-    pub(crate) fn take(router: &Router, probes: &[(WorkerId, u64)]) -> Self {
+    pub(crate) fn take(router: &Router) -> Self {
         let mut gaps: Vec<(Harness, GapHistogram)> = router
             .retention()
             .harness_histograms()
             .map(|(h, g)| (h, g.clone()))
             .collect();
         gaps.sort_by_key(|(h, _)| *h);
-        Self {
-            holdings: router.holdings(probes),
-            gaps,
-        }
+        Self { gaps }
     }
 
     fn gaps_of(&self, harness: Harness) -> Option<&GapHistogram> {
@@ -275,16 +272,18 @@ pub(crate) fn sections(
 
 /// The section as the admin server builds it: the ledger's window report
 /// and lost sessions, with the router's copy.
+/// `evicted` is [`Insights::evicted_idle_sessions`] or the last tick's
+/// copy of it ([`kvmesh_core::TickSnapshot::evicted`]).
 pub(crate) fn build(
     insights: &Insights,
     fleet: &FleetSnapshot,
+    evicted: &[IdleSession],
     now_ms: u64,
     window_ms: u64,
     extra_kv_gb: f64,
 ) -> (Report, Vec<HarnessRetention>) {
     let report = insights.report(now_ms, window_ms);
-    let evicted = insights.evicted_idle_sessions(now_ms, &fleet.holdings);
-    let section = sections(&report, fleet, &evicted, extra_kv_gb);
+    let section = sections(&report, fleet, evicted, extra_kv_gb);
     (report, section)
 }
 

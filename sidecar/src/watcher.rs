@@ -157,8 +157,20 @@ pub(crate) async fn expire_sessions(shared: Shared, interval: Duration) {
     let mut ticker = tokio::time::interval(interval);
     loop {
         ticker.tick().await;
-        let ended = shared.router().expire_sessions(now_ms());
-        shared.tick_insights();
+        // In steps, the router's lock released between them.
+        let now = now_ms();
+        let mut ended = 0;
+        loop {
+            let step = shared.router().expire_sessions(now);
+            ended += step;
+            if step < kvmesh_core::EXPIRE_STEP {
+                break;
+            }
+        }
+        // Off the async workers: a pass is tens of ms of steps at 100,000
+        // sessions, and the gRPC streams share those threads.
+        let ticking = shared.clone();
+        let _ = tokio::task::spawn_blocking(move || ticking.tick_insights()).await;
         if ended > 0 {
             info!(ended, "idle sessions ended");
         }

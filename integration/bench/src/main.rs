@@ -14,6 +14,7 @@ mod latency;
 mod overhead;
 mod pick_rtt;
 mod replay;
+mod scale;
 mod simulate;
 
 use clap::{Parser, Subcommand};
@@ -35,6 +36,9 @@ enum Command {
     EnvoyLoad(envoy_load::Options),
     /// Unique prefixes from concurrent clients: Pick rate and the index budget.
     Flood(flood::Options),
+    /// A busy cluster's load on a release sidecar: N live sessions, 2,000
+    /// Picks/s with their Reports, scrapes and debug-page fetches.
+    Scale(scale::Options),
     /// Every routing policy on one workload, on a virtual clock.
     Simulate(simulate::Options),
     /// Write a seeded workload of coding-agent sessions (text trace format).
@@ -53,6 +57,7 @@ async fn main() -> anyhow::Result<()> {
         Command::FilterOverhead(options) => overhead::run(options).await,
         Command::PickRtt(options) => pick_rtt::run(options).await,
         Command::Flood(options) => flood::run(options).await,
+        Command::Scale(options) => scale::run(options).await,
         Command::EnvoyLoad(options) => envoy_load::run(options).await,
         Command::Simulate(options) => simulate::run(options),
         Command::GenAgents(options) => gen_agents::run(options),

@@ -20,15 +20,16 @@ mod usage;
 
 pub use index::PrefixIndex;
 pub use insight::{
-    BreakPoint, BreakStats, Call, Figure, Figures, Harness, IdleSession, InsightConfig, Insights, LabelId, MoveReason,
-    NO_TENANT, OTHER_TENANT, PromptSection, Report, Retention, SectionKind, Totals,
+    BreakPoint, BreakStats, Call, Figure, Figures, Harness, IDLE_LIST_MAX, IdleSession, InsightConfig, Insights,
+    LabelId, MoveReason, NO_TENANT, OTHER_TENANT, PromptSection, Report, Retention, SectionKind, TickPass,
+    TickSnapshot, TickStep, Totals,
 };
 pub use lru::{Lru, LruMap};
 pub use router::{
     Cost, Decision, EngineCacheChange, EngineCacheEffect, Holdings, Outcome, PickInput, Reason, Router, RouterConfig,
     Snapshot, WorkerId, WorkerLoad, WorkerState, WorkerView,
 };
-pub use sessions::SessionTable;
+pub use sessions::{EXPIRE_STEP, SessionTable};
 pub use usage::{MAX_BYTES_PER_TOKEN, TEMPLATE_TOKENS, UsageError, check_usage};
 
 #[cfg(test)]

@@ -129,7 +129,9 @@ impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
     pub fn pop_oldest(&mut self) -> Option<(K, V)> {
         while let Some((stamp, key)) = self.order.pop_front() {
             if self.entries.get(&key).is_some_and(|(s, _)| *s == stamp) {
-                return self.entries.remove(&key).map(|(_, v)| (key, v));
+                let popped = self.entries.remove(&key).map(|(_, v)| (key, v));
+                self.shrink();
+                return popped;
             }
         }
         None
@@ -140,7 +142,82 @@ impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
         K: Borrow<Q>,
     {
         // Its queue entries become stale and are skipped later.
-        self.entries.remove(key).map(|(_, v)| v)
+        let removed = self.entries.remove(key).map(|(_, v)| v);
+        self.shrink();
+        removed
+    }
+
+    /// Entries the map's table has room for without growing.
+    pub fn allocated(&self) -> usize {
+        self.entries.capacity()
+    }
+
+    /// The stamp of the newest touch: entries touched later have larger ones.
+    pub fn stamp(&self) -> u64 {
+        self.clock
+    }
+
+    /// Up to `n` live keys touched after `after` and no later than `until`,
+    /// oldest first, and the stamp to resume from (`None` once nothing is
+    /// left in that range): a walk in steps that releases its owner's lock
+    /// between them. At most `4n` queue entries are looked at per step
+    /// (stale ones included), so a step's cost is bounded whatever the
+    /// queue holds. A key touched again between steps moves past `until`
+    /// when `until` is the stamp at the walk's start, so no walk sees a key
+    /// twice.
+    pub fn keys_after(&self, after: u64, until: u64, n: usize) -> (Vec<K>, Option<u64>) {
+        let start = self.order.partition_point(|(s, _)| *s <= after);
+        let mut keys = Vec::with_capacity(n.min(self.entries.len()));
+        let mut resume = None;
+        for (s, key) in self.order.range(start..).take(n.saturating_mul(4)) {
+            if keys.len() == n || *s > until {
+                break;
+            }
+            resume = Some(*s);
+            if self.entries.get(key).is_some_and(|(live, _)| live == s) {
+                keys.push(key.clone());
+            }
+        }
+        (keys, resume)
+    }
+
+    /// Up to `n` live entries touched before `stamp`, newest first, and the
+    /// stamp to resume from (the same walk as [`LruMap::keys_after`], the
+    /// other way). `u64::MAX` starts from the newest.
+    pub fn newest_before(&self, stamp: u64, n: usize) -> (Vec<(&K, &V)>, u64) {
+        let end = self.order.partition_point(|(s, _)| *s < stamp);
+        let mut found = Vec::with_capacity(n.min(self.entries.len()));
+        let mut resume = stamp;
+        for (s, key) in self.order.range(..end).rev().take(n.saturating_mul(4)) {
+            if found.len() == n {
+                break;
+            }
+            resume = *s;
+            if let Some((k, (live, v))) = self.entries.get_key_value(key)
+                && live == s
+            {
+                found.push((k, v));
+            }
+        }
+        (found, resume)
+    }
+
+    /// Gives memory back once the map is far below what it held: after a
+    /// wave of sessions expired, the tables kept their peak size (a table
+    /// and queue sized for 100,000 sessions) for the next wave to find
+    /// already grown, and the freed capacity never served anything else.
+    /// Shrinking at a quarter to half keeps the cost amortised O(1) per
+    /// removal and leaves room to grow back without rehashing at once.
+    fn shrink(&mut self) {
+        const FLOOR: usize = 1024;
+        let live = self.entries.len();
+        if self.entries.capacity() > FLOOR && self.entries.capacity() > 4 * live {
+            self.entries.shrink_to((2 * live).max(FLOOR / 2));
+            let entries = &self.entries;
+            self.order
+                .retain(|(stamp, key)| entries.get(key).is_some_and(|(s, _)| s == stamp));
+            self.order.shrink_to((2 * live).max(FLOOR / 2));
+        }
     }
 
     pub fn clear(&mut self) {

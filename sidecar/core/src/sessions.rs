@@ -12,6 +12,9 @@ struct Binding {
     parent: Option<String>,
 }
 
+/// Sessions [`SessionTable::expire`] ends per call: about 0.1-0.2 ms.
+pub const EXPIRE_STEP: usize = 1000;
+
 /// Live sessions and their home workers.
 #[derive(Debug, Clone)]
 pub struct SessionTable {
@@ -105,19 +108,46 @@ impl SessionTable {
         }
     }
 
-    /// Ends every session idle for longer than the TTL.
+    /// Ends every session idle for longer than the TTL, from the least
+    /// recently seen: the work is the sessions ended, not the table (a
+    /// walk of the whole table under the router's lock took 0.35 ms per
+    /// 1,000 sessions with the ledger's, every 10 s, stalling every Pick).
+    /// Bindings are touched in the order they are seen, so the oldest are
+    /// first; should the clock step back, a session behind a fresher one
+    /// ends at a later call (`home` checks the TTL itself, so it never
+    /// routes meanwhile).
+    ///
+    /// At most [`EXPIRE_STEP`] per call: a wave of sessions that ends
+    /// together must not hold the router's lock for all of them (call again
+    /// while it returns `EXPIRE_STEP`).
     pub fn expire(&mut self, now_ms: u64) -> usize {
         let ttl = self.ttl_ms;
-        let idle: Vec<String> = self
-            .bindings
-            .iter()
-            .filter(|(_, b)| now_ms.saturating_sub(b.last_seen_ms) > ttl)
-            .map(|(s, _)| s.clone())
-            .collect();
-        for s in &idle {
-            self.end(s);
+        let mut ended = 0;
+        while ended < EXPIRE_STEP
+            && let Some((_, b)) = self.bindings.oldest()
+        {
+            if now_ms.saturating_sub(b.last_seen_ms) <= ttl {
+                break;
+            }
+            if let Some((_, gone)) = self.bindings.pop_oldest() {
+                self.count(gone.home, -1);
+                ended += 1;
+            }
         }
-        idle.len()
+        ended
+    }
+
+    /// Up to `n` sessions seen before `stamp` (`u64::MAX`: the newest),
+    /// newest first, as (session, home, last seen), and the stamp to go on
+    /// from: a page of `/debug/sessions` costs its rows, not the table.
+    pub fn newest_before(&self, stamp: u64, n: usize) -> (Vec<(&str, WorkerId, u64)>, u64) {
+        let (rows, resume) = self.bindings.newest_before(stamp, n);
+        (
+            rows.into_iter()
+                .map(|(s, b)| (s.as_str(), b.home, b.last_seen_ms))
+                .collect(),
+            resume,
+        )
     }
 
     /// Ends every session homed on `worker` (it was removed).

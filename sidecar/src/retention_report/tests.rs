@@ -92,8 +92,19 @@ impl Run {
         let holdings = self.router.holdings(&probes);
         self.insights.tick(now_ms, &holdings);
         let probes = self.insights.idle_probes();
-        let fleet = FleetSnapshot::take(&self.router, &probes);
-        let (report, section) = build(&self.insights, &fleet, now_ms, 3_600_000, extra_kv_gb);
+        let fleet = FleetSnapshot::take(&self.router);
+        let evicted = self
+            .insights
+            .evicted_idle_sessions(now_ms, &self.router.holdings(&probes));
+        // The last tick's copy, which the admin edge reads, is the same list.
+        let mut copied = self.insights.last_tick().evicted.clone();
+        copied.sort_by(|a, b| {
+            b.kv_bytes
+                .total_cmp(&a.kv_bytes)
+                .then_with(|| a.session.cmp(&b.session))
+        });
+        assert_eq!(copied, evicted);
+        let (report, section) = build(&self.insights, &fleet, &evicted, now_ms, 3_600_000, extra_kv_gb);
         let json = serde_json::to_string(&crate::report::to_json(&report, section)).unwrap();
         serde_json::from_str(&json).unwrap()
     }

@@ -6,4 +6,5 @@ mod index_memory;
 mod index_model;
 mod insight_ledger;
 mod retention;
+mod tick_steps;
 mod wire_numbers;

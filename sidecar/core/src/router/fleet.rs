@@ -410,6 +410,13 @@ impl Router {
             .collect()
     }
 
+    /// Sessions whose latest pick is still pending (what the next call of
+    /// each releases early).
+    #[cfg(test)]
+    pub(crate) fn sessions_with_pending_pick(&self) -> usize {
+        self.last_pick.len()
+    }
+
     pub fn sessions(&self) -> &SessionTable {
         &self.sessions
     }
@@ -484,16 +491,9 @@ impl Router {
         // At the bound, the oldest unreported pick is released: its outcome
         // is never coming (a filter restart, a lost report).
         if self.pending.len() >= self.pending.capacity()
-            && let Some((_, old)) = self.pending.pop_oldest()
+            && let Some((old_id, old)) = self.pending.pop_oldest()
         {
-            self.release(&old);
-        }
-        // Before the insert, as it always was: this drops the entry of the
-        // pick being remembered too (its session's next call then does not
-        // release it early; its outcome or age still does).
-        if self.last_pick.len() > 2 * self.pending.capacity() {
-            let pending = &self.pending;
-            self.last_pick.retain(|_, id| pending.contains_key(id));
+            self.retire(old_id, &old);
         }
         self.pending.insert(pick_id, pending);
     }
@@ -505,8 +505,8 @@ impl Router {
             if now_ms.saturating_sub(oldest.at_ms) <= max_age {
                 break;
             }
-            if let Some((_, p)) = self.pending.pop_oldest() {
-                self.release(&p);
+            if let Some((pick_id, p)) = self.pending.pop_oldest() {
+                self.retire(pick_id, &p);
             }
         }
     }
@@ -522,6 +522,18 @@ impl Router {
         let before = p.clone();
         p.released = true;
         self.release(&before);
+    }
+
+    /// A pick leaves `pending` (its outcome came, or it aged out): its load
+    /// is released and its session's `last_pick` entry goes with it, so that
+    /// map never outgrows `pending`. (It was pruned by a `retain` over up to
+    /// twice `max_pending_picks` sessions inside one Pick: a stall of
+    /// milliseconds at 100k sessions.)
+    pub(super) fn retire(&mut self, pick_id: u64, p: &Pending) {
+        self.release(p);
+        if self.last_pick.get(p.session.as_str()) == Some(&pick_id) {
+            self.last_pick.remove(p.session.as_str());
+        }
     }
 
     pub(super) fn release(&mut self, p: &Pending) {

@@ -67,7 +67,7 @@ impl Router {
         if let Some(answered_ms) = answered_ms {
             self.retention.on_answer(&p.session, answered_ms);
         }
-        self.release(&p);
+        self.retire(outcome.pick_id, &p);
         // Prefill throughput: the uncached tokens over the time to first
         // byte (queueing included, so it errs towards slower).
         if outcome.ttfb_ms > 0

@@ -304,6 +304,45 @@ fn in_flight_is_released_once_and_bounded_without_reports() {
 }
 
 #[test]
+fn a_sessions_latest_pick_is_forgotten_with_the_pick() {
+    // Each session's latest pick is kept only while it is pending: reported,
+    // aged out or pushed out by the bound, its entry goes too (the map was
+    // pruned by a walk of up to twice the bound inside some Pick).
+    let mut r = Router::new(
+        RouterConfig {
+            max_pending_picks: 10,
+            ..RouterConfig::default()
+        },
+        ["10.0.0.1:1".to_owned()],
+    );
+    for s in 0..100 {
+        pick(&mut r, &blocks(s, 2), &format!("s{s}"));
+        assert!(r.sessions_with_pending_pick() <= 10, "after session {s}");
+    }
+    assert_eq!(r.workers()[0].in_flight, 10);
+    // The sessions of the last ten picks come back: each call releases its
+    // previous pick early, and the outcome of the new one forgets it.
+    for s in 90..100 {
+        let d = pick(&mut r, &blocks(s, 3), &format!("s{s}"));
+        done(&mut r, &d);
+    }
+    assert_eq!(r.workers()[0].in_flight, 0);
+    assert_eq!(r.sessions_with_pending_pick(), 0);
+    // Picks that age out take their entries with them.
+    for s in 0..5 {
+        pick(&mut r, &blocks(s, 2), &format!("s{s}"));
+    }
+    let late = RouterConfig::default().max_pick_age_ms + tick();
+    let hashes = [7];
+    let d = r.pick(PickInput {
+        now_ms: late,
+        ..input(&hashes, "")
+    });
+    assert_eq!(r.sessions_with_pending_pick(), 0);
+    done(&mut r, &d);
+}
+
+#[test]
 fn sessions_expire_end_and_are_bounded() {
     let mut r = Router::new(
         RouterConfig {

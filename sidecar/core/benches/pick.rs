@@ -16,7 +16,9 @@
 //! `--goal` times only the goal's points (1,600 blocks at 10M entries over
 //! 64 and 512 workers), cheap enough to run after every core change;
 //! `--only ENTRIES:WORKERS:BLOCKS --picks N` one point with N picks, for a
-//! profiler (`valgrind --tool=callgrind`, see docs/benchmarks.md).
+//! profiler (`valgrind --tool=callgrind`, see docs/benchmarks.md);
+//! `--shared-prefix N` starts every session with the same N blocks, so all
+//! workers hold them (the lookup follows each of them through the prefix).
 //!
 //! `--criterion` runs instead criterion's estimates of one Pick as the
 //! sidecar handles it, with the ledger applied and without: `router_lock`
@@ -41,8 +43,31 @@ const SESSION_BLOCKS: u64 = 8000;
 /// Blocks an agent's next call adds to its cached prefix.
 const NEW_BLOCKS: u64 = 20;
 
+/// Session `session`'s first `n` blocks: with `--shared-prefix N` the first
+/// N are the same in every session (an agent fleet's common system prompt
+/// and tool definitions), so every worker holds them.
 fn session_blocks(session: u64, n: u64) -> Vec<u64> {
-    (0..n).map(|i| hash(session * 1_000_003 + i)).collect()
+    let shared = shared_prefix();
+    (0..n)
+        .map(|i| {
+            if i < shared {
+                hash(u64::MAX / 2 + i)
+            } else {
+                hash(session * 1_000_003 + i)
+            }
+        })
+        .collect()
+}
+
+/// `--shared-prefix N`: blocks every session starts with (0: none).
+fn shared_prefix() -> u64 {
+    static SHARED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SHARED.get_or_init(|| {
+        arg_after("--shared-prefix")
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0)
+            .min(SESSION_BLOCKS)
+    })
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {

@@ -134,8 +134,11 @@ impl Arena {
         self.len - self.free_len
     }
 
+    /// The node at `index`, if there is one (two bounds checks, as
+    /// indexing does: the chunks are filled by pushes, so a chunk holds no
+    /// slot past `len`).
     fn get(&self, index: usize) -> Option<&Node> {
-        (index < self.len).then(|| &self[index])
+        self.chunks.get(index >> CHUNK_BITS)?.get(index & (CHUNK - 1))
     }
 
     fn get_mut(&mut self, index: usize) -> Option<&mut Node> {
@@ -197,6 +200,15 @@ impl std::ops::IndexMut<usize> for Arena {
     }
 }
 
+/// A worker still matching in a prefix walk: the successor link of the
+/// node it matched last, and the host-only blocks in its run.
+#[derive(Debug, Clone, Copy)]
+struct Walker {
+    worker: u32,
+    successor: u32,
+    host: u32,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct WorkerList {
     newest: u32,
@@ -238,22 +250,27 @@ pub struct PrefixIndex {
     /// Each worker's GPU list, and its host list (capacity 0: no host tier).
     workers: Vec<WorkerList>,
     hosts: Vec<WorkerList>,
-    /// Scratch for `overlaps`: per worker, the last block index matched
-    /// and the node it matched on; the workers still matching.
+    /// Scratch for `overlaps`: per worker, the last block index matched;
+    /// the workers still matching, each with its walk's state.
     last_match: Vec<u32>,
-    cursor: Vec<u32>,
-    alive: Vec<u32>,
+    alive: Vec<Walker>,
     /// Scratch for `overlaps`: per worker, host-only blocks in its run.
     host_run: Vec<u32>,
     /// Scratch for `insert`: the request's node on the worker, per block.
     placed: Vec<u32>,
     /// The latest walk's matches, kept for the placement that follows it
-    /// (it would otherwise find the same nodes again, the same way): each
-    /// entry a matched node and the entry of its worker's previous block;
-    /// per worker its last entry and the walk that wrote it. Any removal
-    /// or insert since the walk ends their use (`trail_live`).
-    trail: Vec<(u32, u32)>,
-    trail_tail: Vec<u32>,
+    /// (it would otherwise find the same nodes again, the same way): per
+    /// worker its node of the first block and the walk that wrote it; and
+    /// the nodes of the worker that walked on alone (`trail_worker`), from
+    /// block `trail_from` on. A worker's nodes between are its successor
+    /// links from its first node, checked against the blocks as the walk
+    /// did: while several workers match (a prefix shared by many) no node
+    /// is recorded per (block, worker). Any removal or insert since the
+    /// walk ends their use (`trail_live`).
+    trail: Vec<u32>,
+    trail_worker: u32,
+    trail_from: usize,
+    trail_start: Vec<u32>,
     trail_walks: Vec<u32>,
     trail_walk: u32,
     trail_live: bool,
@@ -285,12 +302,13 @@ impl PrefixIndex {
             workers: Vec::new(),
             hosts: Vec::new(),
             last_match: Vec::new(),
-            cursor: Vec::new(),
             alive: Vec::new(),
             host_run: Vec::new(),
             placed: Vec::new(),
             trail: Vec::new(),
-            trail_tail: Vec::new(),
+            trail_worker: NIL,
+            trail_from: 0,
+            trail_start: Vec::new(),
             trail_walks: Vec::new(),
             trail_walk: 0,
             trail_live: false,
@@ -322,9 +340,8 @@ impl PrefixIndex {
             ..WorkerList::new(0)
         });
         self.last_match.push(NIL);
-        self.cursor.push(NIL);
         self.host_run.push(0);
-        self.trail_tail.push(NIL);
+        self.trail_start.push(NIL);
         self.trail_walks.push(NIL);
         WorkerId(self.workers.len() - 1)
     }
@@ -442,14 +459,13 @@ impl PrefixIndex {
         let map = self.first_holder.allocation_size();
         map + self.nodes.allocated_bytes()
             + (self.workers.capacity() + self.hosts.capacity()) * size_of::<WorkerList>()
+            + self.alive.capacity() * size_of::<Walker>()
             + (self.last_match.capacity()
-                + self.cursor.capacity()
-                + self.alive.capacity()
                 + self.placed.capacity()
                 + self.host_run.capacity()
-                + self.trail_tail.capacity()
+                + self.trail_start.capacity()
                 + self.trail_walks.capacity()
-                + 2 * self.trail.capacity())
+                + self.trail.capacity())
                 * size_of::<u32>()
     }
 
@@ -480,64 +496,61 @@ impl PrefixIndex {
         // a node read per matched block).
         let tiered = self.hosts.iter().any(|h| h.len > 0);
         self.trail.clear();
+        self.trail_worker = NIL;
+        self.trail_from = hashes.len();
         self.trail_walk = self.trail_walk.wrapping_add(1);
         self.trail_live = true;
         let walk = self.trail_walk;
+        let mut alive = std::mem::take(&mut self.alive);
+        alive.clear();
         // Block 0: every holder starts a run.
         let mut node = self.first_of(first_hash).unwrap_or(NIL);
         while node != NIL {
             let n = self.nodes[node as usize];
             let w = n.worker();
-            self.alive.push(w);
-            self.cursor[w as usize] = node;
+            let host = u32::from(n.host_only());
+            alive.push(Walker {
+                worker: w,
+                successor: n.successor,
+                host,
+            });
             self.last_match[w as usize] = 0;
-            self.host_run[w as usize] = u32::from(n.host_only());
-            self.trail_tail[w as usize] = self.trail.len() as u32;
+            self.host_run[w as usize] = host;
+            self.trail_start[w as usize] = node;
             self.trail_walks[w as usize] = walk;
-            self.trail.push((node, NIL));
             node = n.next_holder;
         }
         // Each further block: a worker continues if it holds it too, found
-        // through its successor link, else through one table probe shared
-        // by the workers whose link missed.
+        // through its successor link (kept from the node it matched last,
+        // so each step reads one node), else through one table probe
+        // shared by the workers whose link missed. A worker that stops
+        // writes its run's end; nothing else is written per step.
+        let mut ended_at = hashes.len();
         for (i, &hash) in hashes.iter().enumerate().skip(1) {
-            if self.alive.len() <= 1 {
+            if alive.len() <= 1 {
                 // One worker left, the common case past a shared prefix (a
                 // session's own blocks are on its home only): its run goes
-                // on with its cursor in registers, not in the scratch.
-                self.walk_alone(hashes, i, tiered);
+                // on alone, recording its nodes for the placement.
+                if let Some(&walker) = alive.first() {
+                    self.walk_alone(walker, hashes, i, tiered);
+                }
+                alive.clear();
+                ended_at = i;
                 break;
             }
-            let mut probed: Option<u32> = None;
-            let mut keep = 0;
-            for k in 0..self.alive.len() {
-                let w = self.alive[k];
-                let successor = self.nodes[self.cursor[w as usize] as usize].successor;
-                let next = if successor != NIL
-                    && let Some(s) = self.nodes.get(successor as usize)
-                    && s.worker() == w
-                    && s.hash() == hash
-                {
-                    Some(successor)
-                } else {
-                    let first = *probed.get_or_insert_with(|| self.first_of(hash).unwrap_or(NIL));
-                    self.holder_from(first, w)
-                };
-                if let Some(next) = next {
-                    self.cursor[w as usize] = next;
-                    self.last_match[w as usize] = i as u32;
-                    let previous = self.trail_tail[w as usize];
-                    self.trail_tail[w as usize] = self.trail.len() as u32;
-                    self.trail.push((next, previous));
-                    if tiered {
-                        self.host_run[w as usize] += u32::from(self.nodes[next as usize].host_only());
-                    }
-                    self.alive[keep] = w;
-                    keep += 1;
-                }
+            if tiered {
+                self.step_together::<true>(&mut alive, i, hash);
+            } else {
+                self.step_together::<false>(&mut alive, i, hash);
             }
-            self.alive.truncate(keep);
         }
+        // Workers still matching at the end (several held every block).
+        for walker in alive.drain(..) {
+            let w = walker.worker as usize;
+            self.last_match[w] = ended_at as u32 - 1;
+            self.host_run[w] = walker.host;
+        }
+        self.alive = alive;
         // Every worker that started a run ends it at its last match.
         let mut host_only = host_only;
         if let Some(host_only) = host_only.as_deref_mut() {
@@ -556,17 +569,61 @@ impl PrefixIndex {
         }
     }
 
-    /// The walk from block `from` on, with only `alive[0]` (if any) still
-    /// matching: the same steps as `overlaps_by_tier`'s loop for one worker.
-    fn walk_alone(&mut self, hashes: &[u64], from: usize, tiered: bool) {
-        let Some(&w) = self.alive.first() else { return };
+    /// One block of the walk for the workers in `alive` (more than one):
+    /// each continues if its successor link leads to its node of `hash`,
+    /// or else the table (probed once for them all) finds one; the others
+    /// leave `alive`, their runs ended at block `i - 1`. Host-only blocks
+    /// are counted when `TIERED`.
+    fn step_together<const TIERED: bool>(&mut self, alive: &mut Vec<Walker>, i: usize, hash: u64) {
+        let (nodes, table) = (&self.nodes, &self.first_holder);
+        let (last_match, host_run) = (&mut self.last_match, &mut self.host_run);
+        let mut probed: Option<u32> = None;
+        // Workers that stop are marked and taken out after the pass, so
+        // the pass itself indexes nothing (most blocks of a shared prefix
+        // stop no one).
+        let mut stopped = false;
+        for walker in alive.iter_mut() {
+            let w = walker.worker;
+            let successor = walker.successor;
+            let next = if successor != NIL
+                && let Some(s) = nodes.get(successor as usize)
+                && s.worker() == w
+                && s.hash() == hash
+            {
+                Some(s)
+            } else {
+                let first =
+                    *probed.get_or_insert_with(|| table.find(hash, |n| nodes[n as usize].hash()).unwrap_or(NIL));
+                holder_in(nodes, first, w).map(|next| &nodes[next as usize])
+            };
+            if let Some(n) = next {
+                walker.successor = n.successor;
+                if TIERED {
+                    walker.host += u32::from(n.host_only());
+                }
+            } else {
+                last_match[w as usize] = i as u32 - 1;
+                host_run[w as usize] = walker.host;
+                walker.worker = NIL;
+                stopped = true;
+            }
+        }
+        if stopped {
+            alive.retain(|walker| walker.worker != NIL);
+        }
+    }
+
+    /// The walk from block `from` on, with only `walker` still matching:
+    /// the same steps as `overlaps_by_tier`'s loop for one worker, with its
+    /// state in registers and each matched node recorded in the trail.
+    fn walk_alone(&mut self, walker: Walker, hashes: &[u64], from: usize, tiered: bool) {
+        let w = walker.worker;
         let wi = w as usize;
-        let (mut cursor, mut entry) = (self.cursor[wi], self.trail_tail[wi]);
-        let (mut last, mut host) = (self.last_match[wi], self.host_run[wi]);
+        let (mut successor, mut host) = (walker.successor, walker.host);
+        let mut last = from as u32 - 1;
         self.trail.reserve(hashes.len().saturating_sub(from));
-        // The node matched last is read once: its successor link is kept
-        // for the next block (reading the arena is most of the walk).
-        let mut successor = self.nodes[cursor as usize].successor;
+        self.trail_worker = w;
+        self.trail_from = from;
         for (i, &hash) in hashes.iter().enumerate().skip(from) {
             let linked = (successor != NIL)
                 .then(|| self.nodes.get(successor as usize))
@@ -579,32 +636,20 @@ impl PrefixIndex {
                     None => break,
                 },
             };
-            cursor = next;
             successor = n.successor;
             last = i as u32;
-            self.trail.push((next, entry));
-            entry = (self.trail.len() - 1) as u32;
+            self.trail.push(next);
             if tiered {
                 host += u32::from(n.host_only());
             }
         }
-        self.cursor[wi] = cursor;
         self.last_match[wi] = last;
-        self.trail_tail[wi] = entry;
         self.host_run[wi] = host;
-        self.alive.clear();
     }
 
     /// `worker`'s node in the holder chain starting at `first`.
-    fn holder_from(&self, mut node: u32, worker: u32) -> Option<u32> {
-        while node != NIL {
-            let n = &self.nodes[node as usize];
-            if n.worker() == worker {
-                return Some(node);
-            }
-            node = n.next_holder;
-        }
-        None
+    fn holder_from(&self, node: u32, worker: u32) -> Option<u32> {
+        holder_in(&self.nodes, node, worker)
     }
 
     /// Whether `worker` holds `hash`.
@@ -634,21 +679,8 @@ impl PrefixIndex {
         // against its block, so a walk of other blocks is never used).
         let mut placed = std::mem::take(&mut self.placed);
         placed.clear();
-        let walked = self.walked_prefix(w, hashes, &mut placed);
-        let mut previous = placed.last().copied().unwrap_or(NIL);
-        for &hash in &hashes[walked..] {
-            let linked = (previous != NIL)
-                .then(|| self.nodes[previous as usize].successor)
-                .filter(|&s| s != NIL)
-                .filter(|&s| {
-                    self.nodes
-                        .get(s as usize)
-                        .is_some_and(|n| n.worker() == worker_u32 && n.hash() == hash)
-                });
-            let node = linked.or_else(|| self.find(worker_u32, hash)).unwrap_or(NIL);
-            placed.push(node);
-            previous = node;
-        }
+        self.walked_prefix(w, hashes, &mut placed);
+        self.follow(worker_u32, &hashes[placed.len()..], &mut placed);
         // Backward: touch or create each block, last first (so the first
         // block ends newest), and link each to the block after it. Blocks
         // that already follow one another in the worker's list, in request
@@ -884,29 +916,49 @@ impl PrefixIndex {
         Touch::Gpu(n.older)
     }
 
+    /// Appends to `placed` `worker`'s node (or `NIL`) of each of `hashes`,
+    /// following successor links from the last node in `placed` as the
+    /// lookup does, and probing the table where a link misses.
+    fn follow(&self, worker: u32, hashes: &[u64], placed: &mut Vec<u32>) {
+        let mut previous = placed.last().copied().unwrap_or(NIL);
+        for &hash in hashes {
+            let linked = (previous != NIL)
+                .then(|| self.nodes[previous as usize].successor)
+                .filter(|&s| s != NIL)
+                .filter(|&s| {
+                    self.nodes
+                        .get(s as usize)
+                        .is_some_and(|n| n.worker() == worker && n.hash() == hash)
+                });
+            let node = linked.or_else(|| self.find(worker, hash)).unwrap_or(NIL);
+            placed.push(node);
+            previous = node;
+        }
+    }
+
     /// Writes into `placed` worker `w`'s nodes of the leading blocks the
     /// latest walk matched, if it is still good (no removal or insert
-    /// since); returns how many. The placement checks each against its
-    /// block as it reads it, so a walk of other blocks is never trusted.
-    fn walked_prefix(&mut self, w: usize, hashes: &[u64], placed: &mut Vec<u32>) -> usize {
+    /// since): its first node, the nodes its successor links lead to while
+    /// other workers still matched, and the nodes recorded once it walked
+    /// alone. The placement checks each against its block as it reads it,
+    /// so a walk of other blocks is never trusted.
+    fn walked_prefix(&mut self, w: usize, hashes: &[u64], placed: &mut Vec<u32>) {
         if !std::mem::replace(&mut self.trail_live, false) || self.trail_walks[w] != self.trail_walk {
-            return 0;
+            return;
         }
-        let run = self.last_match[w] as usize + 1;
-        if run > hashes.len() {
-            return 0;
+        let run = (self.last_match[w] as usize + 1).min(hashes.len());
+        if run == 0 {
+            return;
         }
-        placed.resize(run, NIL);
-        let mut entry = self.trail_tail[w];
-        for j in (0..run).rev() {
-            let Some(&(node, previous)) = self.trail.get(entry as usize) else {
-                placed.clear();
-                return 0;
-            };
-            placed[j] = node;
-            entry = previous;
-        }
-        run
+        placed.push(self.trail_start[w]);
+        let alone_from = if self.trail_worker == w as u32 {
+            self.trail_from.clamp(1, run)
+        } else {
+            run
+        };
+        self.follow(w as u32, &hashes[1..alone_from], placed);
+        let recorded = self.trail.len().min(run - alone_from);
+        placed.extend_from_slice(&self.trail[..recorded]);
     }
 
     /// Moves the run of worker `w`'s GPU nodes from `first` (the newest
@@ -977,6 +1029,18 @@ impl PrefixIndex {
         }
         self.nodes.free(node);
     }
+}
+
+/// `worker`'s node in the holder chain of `nodes` starting at `node`.
+fn holder_in(nodes: &Arena, mut node: u32, worker: u32) -> Option<u32> {
+    while node != NIL {
+        let n = &nodes[node as usize];
+        if n.worker() == worker {
+            return Some(node);
+        }
+        node = n.next_holder;
+    }
+    None
 }
 
 fn clamp_u32(n: usize) -> u32 {

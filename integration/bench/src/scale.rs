@@ -601,7 +601,7 @@ async fn drive(
     }
     let count = bursts.len();
     // The worst first: a scrape's or a rehash's stall, not the machine's noise.
-    bursts.sort_by(|a, b| b.1.cmp(&a.1));
+    bursts.sort_by_key(|b| std::cmp::Reverse(b.1));
     for (at, worst, n) in bursts.iter().take(12) {
         let entries = scrapes
             .iter()

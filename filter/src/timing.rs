@@ -11,18 +11,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
 #[cfg(feature = "phase-timing")]
-const PHASES: [&str; 10] = [
-    "arrive",
-    "chunks",
-    "last_feed",
-    "read",
-    "understand",
-    "encode_send",
-    "wait",
-    "resume",
-    "after_resume",
-    "requests",
-];
+use kvmesh_vocab::FILTER_TIME_PHASES as PHASES;
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Phase {

@@ -7,10 +7,28 @@
 //!   stream holds (where a session's prefix breaks);
 //! - [`Harness`]: the agent harness that sent a request (a metric label);
 //! - [`DEFAULT_BLOCK_BYTES`]: the filter's default prefix block size;
-//! - [`limits`]: the bounds on every field that crosses the wire.
+//! - [`limits`]: the bounds on every field that crosses the wire;
+//! - [`FILTER_TIME_PHASES`]: the counters of the filter's measurement build.
 #![forbid(unsafe_code)]
 
 pub mod limits;
+
+/// The phases a `phase-timing` build of the filter times, in microseconds,
+/// each summed in the counter `kvmesh.time_us.<phase>`; the last counts the
+/// requests timed. The filter defines the counters and the overhead bench
+/// reads them by these names.
+pub const FILTER_TIME_PHASES: [&str; 10] = [
+    "arrive",
+    "chunks",
+    "last_feed",
+    "read",
+    "understand",
+    "encode_send",
+    "wait",
+    "resume",
+    "after_resume",
+    "requests",
+];
 
 /// Bytes per prefix block unless the filter is configured otherwise (256
 /// bytes of canonical JSON are about 64 tokens). Only a default: every Pick

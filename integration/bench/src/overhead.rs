@@ -7,6 +7,7 @@ use kvmesh_integration::paths::Profile;
 use crate::latency::{ms, percentile};
 use futures_util::StreamExt;
 use kvmesh_integration::{Cluster, ClusterOptions};
+use kvmesh_vocab::FILTER_TIME_PHASES;
 use serde_json::json;
 
 #[derive(Debug, clap::Args)]
@@ -280,7 +281,7 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
     if !breakdown.is_empty() {
         println!(
             "\nPer request, µs (mean; `phase-timing` builds): {}",
-            PHASES.join(" / ")
+            breakdown_columns().join(" / ")
         );
         print!("{breakdown}");
     }
@@ -307,24 +308,17 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The phases a `phase-timing` build of the filter counts (`kvmesh.time_us.*`).
-const PHASES: [&str; 10] = [
-    "arrive",
-    "chunks",
-    "last_feed",
-    "read",
-    "understand",
-    "encode_send",
-    "wait",
-    "resume",
-    "after_resume",
-    // Not the filter's: the sidecar's own time deciding a Pick.
-    "sidecar_pick",
-];
+/// The breakdown's columns: the phases a `phase-timing` build of the filter
+/// times (`kvmesh.time_us.*`, its last counter being the requests), then
+/// the sidecar's own time deciding a Pick.
+fn breakdown_columns() -> Vec<&'static str> {
+    let timed = &FILTER_TIME_PHASES[..FILTER_TIME_PHASES.len() - 1];
+    timed.iter().copied().chain(["sidecar_pick"]).collect()
+}
 
 async fn phase_times(cluster: &Cluster) -> Vec<u64> {
     let mut out = Vec::new();
-    for phase in PHASES.iter().filter(|p| **p != "sidecar_pick").chain(&["requests"]) {
+    for phase in FILTER_TIME_PHASES {
         out.push(
             cluster
                 .envoy_counter(&format!("wasmcustom.kvmesh.time_us.{phase}"))
@@ -345,7 +339,7 @@ async fn phase_times(cluster: &Cluster) -> Vec<u64> {
         .find_map(|line| line.strip_prefix("kvmesh_pick_duration_seconds_sum "))
         .and_then(|v| v.trim().parse::<f64>().ok())
         .unwrap_or(0.0);
-    out.insert(PHASES.len() - 1, (sum * 1e6) as u64);
+    out.insert(FILTER_TIME_PHASES.len() - 1, (sum * 1e6) as u64);
     out
 }
 
@@ -354,7 +348,7 @@ fn phase_line(before: &[u64], after: &[u64]) -> Option<String> {
     let delta: Vec<u64> = after.iter().zip(before).map(|(a, b)| a.saturating_sub(*b)).collect();
     let requests = *delta.last()?;
     (requests > 0).then(|| {
-        delta[..PHASES.len()]
+        delta[..FILTER_TIME_PHASES.len()]
             .iter()
             .map(|us| format!("{:.0}", *us as f64 / requests as f64))
             .collect::<Vec<_>>()

@@ -245,6 +245,20 @@ pub fn without_colour(text: &str) -> String {
     out
 }
 
+/// A process's resident set and its peak (VmRSS, VmHWM), in KiB, from
+/// /proc; `None` once it is gone.
+pub fn memory_kib(pid: u32) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

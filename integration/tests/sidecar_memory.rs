@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh_integration::cluster::start_sidecar;
 use kvmesh_integration::paths::Profile;
+use kvmesh_integration::process::memory_kib;
 use kvmesh_proto::v1::router_client::RouterClient;
 use kvmesh_proto::v1::{Outcome, PickReason, PickRequest};
 
@@ -28,20 +29,6 @@ const BIG_MODEL_BYTES: usize = 3 << 20;
 const MAX_HWM_KB: u64 = 100 * 1024;
 /// `RouterConfig::default().max_models`.
 const MAX_MODELS: f64 = 1024.0;
-
-/// VmRSS and VmHWM of `pid`, in kB.
-fn memory_kb(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| -> u64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no {name} in {status}"))
-    };
-    (field("VmRSS:"), field("VmHWM:"))
-}
 
 fn pick(model: String, session: String, request_id: u64) -> PickRequest {
     PickRequest {
@@ -85,7 +72,7 @@ async fn distinct_model_names_leave_memory_bounded() -> anyhow::Result<()> {
         .connect()
         .await?;
     let mut router = RouterClient::new(channel).max_encoding_message_size(usize::MAX);
-    let (start_rss, _) = memory_kb(pid);
+    let (start_rss, _) = memory_kib(pid).expect("the sidecar's /proc status");
 
     // One buffer, a distinct prefix per Pick; the stream pulls them lazily.
     let big = "m".repeat(BIG_MODEL_BYTES);
@@ -103,7 +90,7 @@ async fn distinct_model_names_leave_memory_bounded() -> anyhow::Result<()> {
     }
     let big_took = started.elapsed();
     assert_eq!(rejected, BIG_PICKS);
-    let (big_rss, big_hwm) = memory_kb(pid);
+    let (big_rss, big_hwm) = memory_kib(pid).expect("the sidecar's /proc status");
 
     let started = Instant::now();
     for i in 0..SHORT_PICKS {
@@ -122,7 +109,7 @@ async fn distinct_model_names_leave_memory_bounded() -> anyhow::Result<()> {
             .await?;
     }
     let short_took = started.elapsed();
-    let (end_rss, end_hwm) = memory_kb(pid);
+    let (end_rss, end_hwm) = memory_kib(pid).expect("the sidecar's /proc status");
     let models = metric(&http, admin, "kvmesh_models").await;
     eprintln!(
         "RSS at start {start_rss} kB; after {BIG_PICKS} x 3 MB models ({big_took:?}): RSS {big_rss} kB, peak {big_hwm} kB; \

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh_integration::cluster::start_sidecar;
 use kvmesh_integration::paths::Profile;
+use kvmesh_integration::process::memory_kib;
 use kvmesh_proto::v1::PickRequest;
 use kvmesh_proto::v1::router_client::RouterClient;
 
@@ -74,7 +75,7 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
     let mut peak_rss_kib = 0;
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        peak_rss_kib = peak_rss_kib.max(rss_kib(pid).unwrap_or(0));
+        peak_rss_kib = peak_rss_kib.max(memory_kib(pid).map_or(0, |(rss, _)| rss));
     }
     let mut took = Vec::new();
     for task in tasks {
@@ -111,11 +112,4 @@ pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
     sidecar.stop();
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
-}
-
-/// Resident set of `pid` in KiB, from /proc.
-fn rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
 }

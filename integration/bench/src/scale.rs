@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use kvmesh_integration::cluster::start_sidecar_binary;
 use kvmesh_integration::paths::{self, Profile};
+use kvmesh_integration::process::memory_kib;
 use kvmesh_proto::v1::router_client::RouterClient;
 use kvmesh_proto::v1::{Outcome, PickRequest};
 use tokio::sync::{Semaphore, mpsc};
@@ -158,20 +159,6 @@ fn agent_call(wave: u64, session: u64, call: u64, request_id: u64) -> PickReques
         request_id,
         ..PickRequest::default()
     }
-}
-
-/// VmRSS and VmHWM of `pid`, in KiB.
-fn memory_kib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| -> u64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
 }
 
 fn mib(kib: u64) -> f64 {
@@ -442,7 +429,7 @@ async fn drive(
         .steady(1, &mut calls, options.rate, length, &mut seed, Phase::Steady)
         .await?;
     let steady_ended = Instant::now();
-    let (rss_wave1, _) = memory_kib(pid);
+    let (rss_wave1, _) = memory_kib(pid).unwrap_or_default();
     print_sizes(&http, admin, "end of wave 1").await;
 
     // The debug pages in a loop, one fetch after another, while Picks go on.
@@ -472,7 +459,7 @@ async fn drive(
     let fetch_ended = Instant::now();
     stop.store(true, Ordering::Relaxed);
     let _ = fetcher.await;
-    let (_, hwm_wave1) = memory_kib(pid);
+    let (_, hwm_wave1) = memory_kib(pid).unwrap_or_default();
 
     let mut summary = RunSummary {
         sessions,
@@ -486,7 +473,7 @@ async fn drive(
         // Wave 1 expires: its last call was just now, and the sidecar ends
         // sessions on a 10 s tick.
         tokio::time::sleep(Duration::from_secs(ttl_secs + EXPIRY_TICK_SECS + 2)).await;
-        summary.rss_expired_kib = memory_kib(pid).0;
+        summary.rss_expired_kib = memory_kib(pid).unwrap_or_default().0;
         let metrics = http.get(format!("http://{admin}/metrics")).send().await?.text().await?;
         println!(
             "  after expiry: kvmesh_sessions {} , kvmesh_index_entries {}",
@@ -501,7 +488,7 @@ async fn drive(
             .steady(2, &mut calls2, options.rate, length, &mut seed, Phase::Wave2)
             .await?;
         wave2_window = Some((started, Instant::now()));
-        let (rss, hwm) = memory_kib(pid);
+        let (rss, hwm) = memory_kib(pid).unwrap_or_default();
         summary.rss_wave2_kib = rss;
         summary.hwm_wave2_kib = hwm;
         print_sizes(&http, admin, "end of wave 2").await;

@@ -83,8 +83,12 @@ async fn start_order(cluster: &Cluster, queued: Option<&str>, last: Option<&str>
     let mut tasks = Vec::new();
     for n in 0..QUEUED {
         tasks.push(send(n, OUTPUT_TOKENS, queued));
-        // Arrival order is the FCFS tie-break: keep it certain.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Arrival order is the FCFS tie-break: keep it certain (a request
+        // crosses Envoy and the sidecar in milliseconds). Not much longer:
+        // on an idle machine a long request decodes in about 1.1 s, and the
+        // queue of the other three must form while the first still runs
+        // (at 300 ms apart that window was 0.3 s, and the poll missed it).
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The first runs (max-num-seqs 1), the others wait in vLLM's queue.
     let deadline = Instant::now() + Duration::from_secs(30);

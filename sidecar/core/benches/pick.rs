@@ -105,27 +105,31 @@ fn request(i: u64, sessions: u64, request_blocks: u64) -> (Vec<u64>, String) {
     (hashes, format!("s{s}"))
 }
 
+/// The i-th call of an agent's session, as the filter would describe it.
+fn agent_call<'a>(hashes: &'a [u64], session: &'a str, i: u64) -> Call<'a> {
+    Call {
+        input: PickInput {
+            block_hashes: hashes,
+            block_bytes: 256,
+            prompt_bytes: hashes.len() as u64 * 256,
+            session_id: session,
+            model: "m",
+            now_ms: i,
+            ..PickInput::default()
+        },
+        harness: kvmesh_core::Harness::ClaudeCode,
+        tenant: "t",
+        sections: &[],
+    }
+}
+
 /// One Pick as the sidecar handles it: the ledger's probe, then under the
 /// router's lock the pick and the probe's answer, then (with the ledger)
 /// the record applied to the ledger.
 fn sidecar_pick(router: &mut Router, insights: Option<&mut Insights>, hashes: &[u64], session: &str, i: u64) {
-    let input = PickInput {
-        block_hashes: hashes,
-        block_bytes: 256,
-        prompt_bytes: hashes.len() as u64 * 256,
-        session_id: session,
-        model: "m",
-        now_ms: i,
-        ..PickInput::default()
-    };
-    let call = Call {
-        input,
-        harness: kvmesh_core::Harness::ClaudeCode,
-        tenant: "t",
-        sections: &[],
-    };
+    let call = agent_call(hashes, session, i);
     let probe = insights.as_ref().and_then(|l| l.probe(&call));
-    let d = router.pick(input);
+    let d = router.pick(call.input);
     let holdings = router.holdings(probe.as_slice());
     if let Some(insights) = insights {
         insights.on_pick(&call, &d, &holdings);
@@ -195,23 +199,9 @@ fn measure_row(router: &mut Router, sessions: u64, entries: u64, workers: usize,
     let mut insights = Insights::new(InsightConfig::default());
     for i in 0..picks + WARM_UP_PICKS {
         let (hashes, session) = request(i, sessions, request_blocks);
-        let input = PickInput {
-            block_hashes: &hashes,
-            block_bytes: 256,
-            prompt_bytes: request_blocks * 256,
-            session_id: &session,
-            model: "m",
-            now_ms: i,
-            ..PickInput::default()
-        };
-        let call = Call {
-            input,
-            harness: kvmesh_core::Harness::ClaudeCode,
-            tenant: "t",
-            sections: &[],
-        };
+        let call = agent_call(&hashes, &session, i);
         let started = Instant::now();
-        let d = router.pick(input);
+        let d = router.pick(call.input);
         let elapsed = started.elapsed();
         // As the sidecar does it: the probe and the record, with the
         // router's lock released (the probe's answer, one index lookup, is

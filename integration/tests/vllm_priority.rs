@@ -18,6 +18,11 @@ use kvmesh_integration::{Cluster, ClusterOptions, Engine};
 use serde_json::json;
 
 const OUTPUT_TOKENS: u64 = 512;
+/// The first request, the one running while the others queue, is four
+/// times longer: the queue must be seen whole (a poll of the engine's
+/// `/metrics`) and the last request sent while it still runs; at 512
+/// tokens that window was 0.6-0.8 s.
+const FIRST_TOKENS: u64 = 4 * OUTPUT_TOKENS;
 /// The last request is short: what matters is when it starts.
 const SHORT_TOKENS: u64 = 16;
 const QUEUED: usize = 4;
@@ -82,12 +87,11 @@ async fn start_order(cluster: &Cluster, queued: Option<&str>, last: Option<&str>
     };
     let mut tasks = Vec::new();
     for n in 0..QUEUED {
-        tasks.push(send(n, OUTPUT_TOKENS, queued));
+        let tokens = if n == 0 { FIRST_TOKENS } else { OUTPUT_TOKENS };
+        tasks.push(send(n, tokens, queued));
         // Arrival order is the FCFS tie-break: keep it certain (a request
-        // crosses Envoy and the sidecar in milliseconds). Not much longer:
-        // on an idle machine a long request decodes in about 1.1 s, and the
-        // queue of the other three must form while the first still runs
-        // (at 300 ms apart that window was 0.3 s, and the poll missed it).
+        // crosses Envoy and the sidecar in milliseconds), and short beside
+        // the first request's decode (about 4 s on an idle machine).
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The first runs (max-num-seqs 1), the others wait in vLLM's queue.
@@ -113,6 +117,14 @@ async fn a_higher_priority_request_overtakes_the_queued_ones_on_real_vllm() -> a
         engine: Engine::Vllm(VllmOptions {
             priority_scheduling: true,
             max_num_seqs: Some(1),
+            // One OpenMP thread for the model: with one per core (torch's
+            // default) the engine's spinning threads starved the API
+            // server on 2 cores, whose streams then stalled for 1-3 s and
+            // delivered several requests' first chunks in one burst, in
+            // no particular order (a CI failure; measured: the longest gap
+            // inside a stream fell from 1.0-2.9 s to 14-25 ms). The order
+            // the engine ran them in is what this test reads.
+            extra_env: vec![("OMP_NUM_THREADS".into(), "1".into())],
             ..VllmOptions::default()
         }),
         plugin: json!({"priority_field": {"engine": "vllm"}}),

@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
+use kvmesh_core::splitmix64;
 use kvmesh_integration::cluster::start_sidecar_binary;
 use kvmesh_integration::paths::{self, Profile};
 use kvmesh_integration::process::memory_kib;
@@ -130,22 +131,14 @@ struct Sample {
     waited: Duration,
 }
 
-/// splitmix64: a seeded, dependency-free choice of the next session.
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
 /// Call `call` of session `session`: the shared prefix, then the session's
 /// own blocks, one prefix of the next call's.
 fn agent_call(wave: u64, session: u64, call: u64, request_id: u64) -> PickRequest {
     let own = (FIRST_BLOCKS + BLOCKS_PER_CALL * call).min(MAX_BLOCKS);
     let key = (wave << 40) | session;
     let block_hashes: Vec<u64> = (0..SHARED_BLOCKS)
-        .map(|j| mix(0xC0FF_EE00 ^ j))
-        .chain((0..own).map(|j| mix(mix(key) ^ j)))
+        .map(|j| splitmix64(0xC0FF_EE00 ^ j))
+        .chain((0..own).map(|j| splitmix64(splitmix64(key) ^ j)))
         .collect();
     let blocks = block_hashes.len() as u64;
     PickRequest {
@@ -287,7 +280,7 @@ impl Driver {
         for k in 0..total {
             let at = started + Duration::from_secs_f64(k as f64 / rate.max(1) as f64);
             tokio::time::sleep_until(at.into()).await;
-            *seed = mix(*seed);
+            *seed = splitmix64(*seed);
             let session = (*seed % calls.len().max(1) as u64) as usize;
             let Some(call) = calls.get_mut(session) else { continue };
             *call += 1;

@@ -29,15 +29,7 @@
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion};
-use kvmesh_core::{Call, InsightConfig, Insights, Outcome, PickInput, Router, RouterConfig};
-
-/// splitmix64: a fixed, seeded stream of hashes.
-fn hash(seed: u64) -> u64 {
-    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+use kvmesh_core::{Call, InsightConfig, Insights, Outcome, PickInput, Router, RouterConfig, splitmix64 as hash};
 
 const SESSION_BLOCKS: u64 = 8000;
 /// Blocks an agent's next call adds to its cached prefix.

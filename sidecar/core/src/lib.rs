@@ -15,6 +15,7 @@ mod lru;
 mod models;
 pub mod retention;
 mod router;
+mod seeded;
 mod sessions;
 mod usage;
 
@@ -29,6 +30,7 @@ pub use router::{
     Cost, Decision, EngineCacheChange, EngineCacheEffect, Holdings, Outcome, PickInput, Reason, Router, RouterConfig,
     Snapshot, WorkerId, WorkerLoad, WorkerState, WorkerView,
 };
+pub use seeded::splitmix64;
 pub use sessions::{EXPIRE_STEP, SessionTable};
 pub use usage::{MAX_BYTES_PER_TOKEN, TEMPLATE_TOKENS, UsageError, check_usage};
 

@@ -231,14 +231,9 @@ mod tests {
         // 32,000 live entries: 2^16 buckets hold 57,344, so they are 56 %
         // of the table's room, where hashbrown's rule would double it.
         let keys: Vec<u64> = (0..1_000_000u64)
-            .map(|i| {
-                // splitmix64: block hashes are uniform, and a weaker mix
-                // spreads keys too evenly over the groups to leave tombstones.
-                let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
-                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-                z ^ (z >> 31)
-            })
+            // splitmix64: block hashes are uniform, and a weaker mix spreads
+            // keys too evenly over the groups to leave tombstones.
+            .map(crate::splitmix64)
             .collect();
         let live = 32_000;
         let mut table = HolderTable::default();

@@ -4,15 +4,7 @@
 //! nodes through its free list; the hash table, refreshed when tombstones
 //! fill it, never grows past the size the first wave needed).
 
-use crate::{PrefixIndex, WorkerId};
-
-/// splitmix64, for block hashes.
-fn hash(seed: u64) -> u64 {
-    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+use crate::{PrefixIndex, WorkerId, splitmix64 as hash};
 
 const WORKERS: usize = 4;
 const CAPACITY: usize = 50_000;

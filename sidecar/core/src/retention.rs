@@ -24,10 +24,11 @@
 //! ones have pushed out of the worker's capacity is dropped (its KV is gone
 //! whatever it is worth). Nothing here walks all sessions: a pick touches
 //! its own session, prices the few oldest residents of each worker that
-//! overflows, and checks the sessions whose gone-deadline passed (a heap).
+//! overflows, and checks the sessions whose gone-deadline passed (an
+//! ordered set holding exactly one deadline per followed session, so it
+//! never needs a walk to drop stale ones).
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::BTreeSet;
 
 use hashbrown::HashMap;
 use kvmesh_vocab::Harness;
@@ -217,9 +218,9 @@ struct Follow {
     idle_since_ms: u64,
     /// It was counted gone after this much idle time.
     counted_gone_ms: Option<u64>,
-    /// A deadline of its is in the heap: one per session, however many
-    /// calls it makes.
-    armed: bool,
+    /// Its deadline in `deadlines`, if it has one: one per session,
+    /// however many calls it makes (none once it was counted gone).
+    deadline_ms: Option<u64>,
 }
 
 /// The value placing a request's new blocks would push out of a worker.
@@ -241,8 +242,13 @@ pub struct RetentionValues {
     /// Blocks of each worker's residents.
     resident_blocks: Vec<usize>,
     live: LruMap<String, Follow>,
-    /// (deadline, session): when to check whether a session went.
-    deadlines: BinaryHeap<Reverse<(u64, String)>>,
+    /// (deadline, session): when to check whether a session went. Holds
+    /// `(d, s)` exactly when `live[s].deadline_ms == Some(d)`: a follow
+    /// that leaves `live` takes its deadline with it, so the set is never
+    /// larger than `live` (it was a heap whose stale entries a flood of new
+    /// sessions piled up, rebuilt whole under the router's lock at twice
+    /// `max_sessions`).
+    deadlines: BTreeSet<(u64, String)>,
     session_ttl_ms: u64,
     max_sessions: usize,
 }
@@ -256,7 +262,7 @@ impl RetentionValues {
             residents: Vec::new(),
             resident_blocks: Vec::new(),
             live: LruMap::new(max_sessions),
-            deadlines: BinaryHeap::new(),
+            deadlines: BTreeSet::new(),
             session_ttl_ms,
             max_sessions,
         }
@@ -387,24 +393,32 @@ impl RetentionValues {
             *total = (*total + blocks).saturating_sub(old_blocks + dropped_blocks);
         }
         self.trim(worker, capacity_blocks);
-        if !session_final {
-            let armed = previous
-                .as_ref()
-                .is_some_and(|f| f.armed && f.counted_gone_ms.is_none());
-            if !armed {
-                let deadline = now_ms.saturating_add(self.gone_after_ms(&class));
-                self.deadlines.push(Reverse((deadline, session.to_owned())));
+        let armed = previous.and_then(|f| f.deadline_ms);
+        if session_final {
+            if let Some(deadline) = armed {
+                self.deadlines.remove(&(deadline, session.to_owned()));
             }
-            self.live.insert(
-                session.to_owned(),
-                Follow {
-                    home: worker,
-                    class,
-                    idle_since_ms: now_ms,
-                    counted_gone_ms: None,
-                    armed: true,
-                },
-            );
+            return;
+        }
+        let deadline_ms = armed.unwrap_or_else(|| {
+            let deadline = now_ms.saturating_add(self.gone_after_ms(&class));
+            self.deadlines.insert((deadline, session.to_owned()));
+            deadline
+        });
+        let (_, evicted) = self.live.insert(
+            session.to_owned(),
+            Follow {
+                home: worker,
+                class,
+                idle_since_ms: now_ms,
+                counted_gone_ms: None,
+                deadline_ms: Some(deadline_ms),
+            },
+        );
+        for (gone, follow) in evicted {
+            if let Some(deadline) = follow.deadline_ms {
+                self.deadlines.remove(&(deadline, gone));
+            }
         }
     }
 
@@ -440,40 +454,34 @@ impl RetentionValues {
 
     /// Counts as gone the sessions idle past their class's horizon.
     fn check_gone(&mut self, now_ms: u64) {
-        while let Some(Reverse((deadline, _))) = self.deadlines.peek()
+        while let Some((deadline, _)) = self.deadlines.first()
             && *deadline <= now_ms
         {
-            let Some(Reverse((_, session))) = self.deadlines.pop() else {
+            let Some((_, session)) = self.deadlines.pop_first() else {
                 break;
             };
-            let Some(f) = self.live.get(&session).cloned() else {
+            // Every deadline is a live follow's (see `deadlines`).
+            let Some((class, idle_since_ms)) = self.live.get(&session).map(|f| (f.class.clone(), f.idle_since_ms))
+            else {
                 continue;
             };
-            if f.counted_gone_ms.is_some() || !f.armed {
-                continue;
-            }
-            let idle = now_ms.saturating_sub(f.idle_since_ms);
-            let horizon = self.gone_after_ms(&f.class);
-            if idle >= horizon {
-                self.learn(&f.class, |h| h.observe_gone(idle));
-                if let Some(follow) = self.live.get_mut(&session) {
-                    follow.counted_gone_ms = Some(idle);
-                    follow.armed = false;
-                }
+            let idle = now_ms.saturating_sub(idle_since_ms);
+            let horizon = self.gone_after_ms(&class);
+            let next = if idle >= horizon {
+                self.learn(&class, |h| h.observe_gone(idle));
+                None
             } else {
-                let deadline = f.idle_since_ms.saturating_add(horizon).max(now_ms + 1);
-                self.deadlines.push(Reverse((deadline, session)));
+                Some(idle_since_ms.saturating_add(horizon).max(now_ms + 1))
+            };
+            if let Some(follow) = self.live.get_mut(&session) {
+                follow.deadline_ms = next;
+                if next.is_none() {
+                    follow.counted_gone_ms = Some(idle);
+                }
             }
-        }
-        // Stale deadlines of sessions the table forgot stay bounded.
-        if self.deadlines.len() > 2 * self.max_sessions.max(1) {
-            let live = &self.live;
-            let kept: Vec<_> = self
-                .deadlines
-                .drain()
-                .filter(|Reverse((_, s))| live.contains_key(s))
-                .collect();
-            self.deadlines = kept.into();
+            if let Some(deadline) = next {
+                self.deadlines.insert((deadline, session));
+            }
         }
     }
 
@@ -516,7 +524,7 @@ impl RetentionValues {
         (self.resident_blocks.get(worker.0).copied().unwrap_or(0), valued)
     }
 
-    /// Deadlines waiting in the heap (at most about one per live session).
+    /// Deadlines waiting (at most one per followed session).
     pub fn pending_deadlines(&self) -> usize {
         self.deadlines.len()
     }

@@ -199,3 +199,30 @@ fn one_deadline_per_session_however_many_calls() {
     r.on_pick("busy", class(), W0, 1, None, false, 1_000_000, 10_000_001);
     assert!(r.pending_deadlines() <= 3, "{}", r.pending_deadlines());
 }
+
+#[test]
+fn a_flood_of_new_sessions_never_holds_more_deadlines_than_followed_sessions() {
+    // 10,000 sessions through a table of 100 follows, each seen once, all
+    // within one gone-horizon: every follow the LRU pushes out takes its
+    // deadline along (they piled up to twice `max_sessions` before, and
+    // were then filtered in one walk under the router's lock).
+    let max = 100;
+    let mut r = RetentionValues::new(max, 30 * 60_000);
+    for s in 0..10_000u64 {
+        r.on_pick(&format!("flood-{s}"), class(), W0, 1, None, false, 1_000_000, s);
+        assert!(
+            r.pending_deadlines() <= max,
+            "{} deadlines at {s}",
+            r.pending_deadlines()
+        );
+    }
+    assert_eq!(r.pending_deadlines(), max);
+    // A final call ends the follow and its deadline.
+    r.on_pick("flood-9999", class(), W0, 1, None, true, 1_000_000, 10_000);
+    assert_eq!(r.pending_deadlines(), max - 1);
+    // The deadlines still fire: past the horizon every follow is counted
+    // gone once, and a gone session holds no deadline.
+    r.on_pick("late", class(), W0, 1, None, false, 1_000_000, 10 * 60 * 60_000);
+    assert_eq!(r.pending_deadlines(), 1, "only the new session's");
+    assert_eq!(r.fleet_histogram().gone.iter().sum::<f64>(), (max - 1) as f64);
+}

@@ -1,7 +1,7 @@
-//! The routing core's live heap over two waves of agent sessions, as the
-//! scale bench drives the sidecar (`kvmesh-bench scale`): 64 workers, a
-//! wave of sessions whose calls resend a growing prefix, every session
-//! expired, then a second wave of as many new ones. Counted by dhat's
+//! The routing core's live heap over waves of agent sessions (three by
+//! default), as the scale bench drives the sidecar (`kvmesh-bench scale`):
+//! 64 workers, a wave of sessions whose calls resend a growing prefix,
+//! every session expired, then a wave of as many new ones, and so on. Counted by dhat's
 //! allocator, which tracks live bytes, so the figures are the core's own and
 //! not the allocator's retained pages: `cargo run --release -p kvmesh-core
 //! --example two_waves [-- SESSIONS [ledger|no-ledger [WAVES]]]`.

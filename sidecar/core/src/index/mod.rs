@@ -217,6 +217,12 @@ struct WorkerList {
     capacity: u32,
 }
 
+/// The oldest node of worker `w`'s list in `lists` (its GPU or its host
+/// tier), if it holds any: where every eviction and demotion starts.
+fn oldest_of(lists: &[WorkerList], w: usize) -> Option<u32> {
+    lists.get(w).map(|l| l.oldest).filter(|&n| n != NIL)
+}
+
 impl WorkerList {
     fn new(capacity: u32) -> Self {
         Self {
@@ -754,12 +760,10 @@ impl PrefixIndex {
     /// holds the host list to its capacity. Returns how many moved.
     pub fn demote_oldest(&mut self, worker: WorkerId, count: usize) -> usize {
         let mut moved = 0;
-        while moved < count {
-            let Some(list) = self.workers.get(worker.0) else { break };
-            if list.oldest == NIL {
-                break;
-            }
-            self.demote(list.oldest);
+        while moved < count
+            && let Some(oldest) = oldest_of(&self.workers, worker.0)
+        {
+            self.demote(oldest);
             moved += 1;
         }
         if moved > 0 {
@@ -771,12 +775,10 @@ impl PrefixIndex {
     /// Drops `worker`'s `count` oldest host-only blocks; returns how many.
     pub fn drop_oldest_host(&mut self, worker: WorkerId, count: usize) -> usize {
         let mut dropped = 0;
-        while dropped < count {
-            let Some(list) = self.hosts.get(worker.0) else { break };
-            if list.oldest == NIL {
-                break;
-            }
-            self.remove_node(list.oldest);
+        while dropped < count
+            && let Some(oldest) = oldest_of(&self.hosts, worker.0)
+        {
+            self.remove_node(oldest);
             dropped += 1;
         }
         dropped
@@ -786,12 +788,10 @@ impl PrefixIndex {
     /// `demote_oldest` for the engine keeping them); returns how many.
     pub fn drop_oldest(&mut self, worker: WorkerId, count: usize) -> usize {
         let mut dropped = 0;
-        while dropped < count {
-            let Some(list) = self.workers.get(worker.0) else { break };
-            if list.oldest == NIL {
-                break;
-            }
-            self.remove_node(list.oldest);
+        while dropped < count
+            && let Some(oldest) = oldest_of(&self.workers, worker.0)
+        {
+            self.remove_node(oldest);
             dropped += 1;
         }
         dropped
@@ -825,11 +825,9 @@ impl PrefixIndex {
     fn evict_over_capacity(&mut self, w: usize) -> usize {
         let mut evicted = 0;
         let offload = self.hosts[w].capacity > 0;
-        while self.workers[w].len > self.workers[w].capacity {
-            let oldest = self.workers[w].oldest;
-            if oldest == NIL {
-                break;
-            }
+        while self.workers[w].len > self.workers[w].capacity
+            && let Some(oldest) = oldest_of(&self.workers, w)
+        {
             if offload {
                 self.demote(oldest);
             } else {
@@ -845,11 +843,9 @@ impl PrefixIndex {
 
     fn evict_over_host_capacity(&mut self, w: usize) -> usize {
         let mut evicted = 0;
-        while self.hosts[w].len > self.hosts[w].capacity {
-            let oldest = self.hosts[w].oldest;
-            if oldest == NIL {
-                break;
-            }
+        while self.hosts[w].len > self.hosts[w].capacity
+            && let Some(oldest) = oldest_of(&self.hosts, w)
+        {
             self.remove_node(oldest);
             evicted += 1;
         }

@@ -18,6 +18,12 @@ use std::hash::Hash;
 
 use hashbrown::HashMap;
 
+/// Whether the queue entry `(stamp, key)` is still `key`'s latest touch
+/// (else a later touch or a removal made it stale).
+fn is_live<K: Hash + Eq, V>(entries: &HashMap<K, (u64, V)>, stamp: u64, key: &K) -> bool {
+    entries.get(key).is_some_and(|(s, _)| *s == stamp)
+}
+
 /// A map of at most `capacity` entries, ordered by last insert or touch.
 #[derive(Debug, Clone)]
 pub struct LruMap<K, V> {
@@ -157,7 +163,7 @@ impl<K: Hash + Eq> Order<K> {
                 break;
             };
             self.remaining -= 1;
-            if entries.get(&entry.1).is_some_and(|(s, _)| *s == entry.0) {
+            if is_live(entries, entry.0, &entry.1) {
                 self.head.push_back(entry);
             }
         }
@@ -253,7 +259,7 @@ impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
     pub fn oldest(&mut self) -> Option<(&K, &V)> {
         // Skip entries made stale by later touches or removals.
         while let Some((stamp, key)) = self.order.front() {
-            if self.entries.get(key).is_some_and(|(s, _)| s == stamp) {
+            if is_live(&self.entries, *stamp, key) {
                 break;
             }
             self.order.pop_front();
@@ -265,7 +271,7 @@ impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
     /// Removes and returns the least recently used entry.
     pub fn pop_oldest(&mut self) -> Option<(K, V)> {
         while let Some((stamp, key)) = self.order.pop_front() {
-            if self.entries.get(&key).is_some_and(|(s, _)| *s == stamp) {
+            if is_live(&self.entries, stamp, &key) {
                 let popped = self.entries.remove(&key).map(|(_, v)| (key, v));
                 self.shrink();
                 return popped;
@@ -311,7 +317,7 @@ impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
                 break;
             }
             resume = Some(*s);
-            if self.entries.get(key).is_some_and(|(live, _)| live == s) {
+            if is_live(&self.entries, *s, key) {
                 keys.push(key.clone());
             }
         }
@@ -351,8 +357,7 @@ impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
         if self.entries.capacity() > FLOOR && self.entries.capacity() > 4 * live {
             self.entries.shrink_to((2 * live).max(FLOOR / 2));
             let entries = &self.entries;
-            self.order
-                .retain_all(|(stamp, key)| entries.get(key).is_some_and(|(s, _)| s == stamp));
+            self.order.retain_all(|(stamp, key)| is_live(entries, *stamp, key));
             self.order.shrink_to((2 * live).max(FLOOR / 2));
         }
     }

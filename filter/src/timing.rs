@@ -36,6 +36,10 @@ pub(crate) enum Phase {
     Requests,
 }
 
+// `Phase` indexes the counter names: one name per phase, in its order.
+#[cfg(feature = "phase-timing")]
+const _: () = assert!(Phase::Requests as usize + 1 == PHASES.len());
+
 #[cfg(feature = "phase-timing")]
 thread_local! {
     static IDS: [Option<u32>; PHASES.len()] =

@@ -327,17 +327,9 @@ async fn phase_times(cluster: &Cluster) -> Vec<u64> {
         );
     }
     // The sidecar's Pick histogram, in µs, before the request count.
-    let metrics = reqwest::get(format!("http://{}/metrics", cluster.sidecar_admin))
+    let sum = cluster
+        .sidecar_metric("kvmesh_pick_duration_seconds_sum")
         .await
-        .ok();
-    let text = match metrics {
-        Some(response) => response.text().await.unwrap_or_default(),
-        None => String::new(),
-    };
-    let sum = text
-        .lines()
-        .find_map(|line| line.strip_prefix("kvmesh_pick_duration_seconds_sum "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
         .unwrap_or(0.0);
     out.insert(FILTER_TIME_PHASES.len() - 1, (sum * 1e6) as u64);
     out

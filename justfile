@@ -22,8 +22,14 @@ demo: build
     ./target/debug/kvmesh-demo
 
 # The whole suite, as CI runs it: formatting, lints, codegen drift, unit and end-to-end tests.
-test: check-fmt clippy check-codegen build build-release setup-vllm setup-bench-clients
-    cargo test --workspace --locked
+# Every test binary runs (no stop at the first failure); a summary of what failed ends the output.
+test *args: check-fmt clippy check-codegen build build-release setup-vllm setup-bench-clients
+    integration/suite/run.sh {{args}}
+
+# The whole suite while a busy loop holds one core (KVMESH_BUSY_LOOPS=N for more): run it
+# before resolving anything that touches timing. Prints the load average seen.
+test-under-load *args:
+    integration/suite/under-load.sh just test {{args}}
 
 # The release binaries the benchmarks and their smoke tests run (`kvmesh-bench serve`).
 build-release:

@@ -16,7 +16,19 @@ use crate::process::Process;
 use crate::redis::RedisServer;
 use crate::vllm::{self, VllmOptions, VllmWorker};
 
-const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a worker, the sidecar or Envoy may take to report ready: a
+/// start takes 1-5 s, more when a test binary starts several clusters at
+/// once on a loaded machine (a cluster took 4-5 s at load 8 on 2 cores), so
+/// this only bounds a hang.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The filter's wait for a Pick in tests that need every call routed:
+/// the shipped 50 ms is a latency budget a loaded machine can exceed (a Pick
+/// crosses Envoy, the sidecar and Envoy again, each waiting for a core), and
+/// a Pick that misses it fails open to round robin, by design (`fail_open.rs`
+/// tests that budget). With this the wait only bounds a hang, so a test of
+/// where calls go does not also test how fast the machine is.
+pub const PATIENT_SIDECAR_TIMEOUT_MS: u64 = 5_000;
 
 /// What serves as a worker.
 #[derive(Debug, Clone, Default)]
@@ -87,6 +99,22 @@ impl Default for ClusterOptions {
             sidecar_replicas: 1,
             kv_events: false,
         }
+    }
+}
+
+impl ClusterOptions {
+    /// These options with the filter waiting up to
+    /// [`PATIENT_SIDECAR_TIMEOUT_MS`] for each Pick (`sidecar_timeout_ms`,
+    /// merged into `plugin`).
+    #[must_use]
+    pub fn patient(mut self) -> Self {
+        if !self.plugin.is_object() {
+            self.plugin = serde_json::json!({});
+        }
+        if let Some(plugin) = self.plugin.as_object_mut() {
+            plugin.insert("sidecar_timeout_ms".to_owned(), PATIENT_SIDECAR_TIMEOUT_MS.into());
+        }
+        self
     }
 }
 
@@ -577,6 +605,33 @@ impl Cluster {
             .context("stat value")
     }
 
+    /// Bytes Envoy has read from the clients of the kvmesh listener
+    /// (`http.agents.downstream_cx_rx_bytes_total`), counted at each read.
+    pub async fn envoy_bytes_read(&self) -> anyhow::Result<u64> {
+        self.envoy_counter("http.agents.downstream_cx_rx_bytes_total").await
+    }
+
+    /// Polls until Envoy has read at least `bytes` from the clients of the
+    /// kvmesh listener (`envoy_bytes_read`), or fails after `timeout`.
+    /// Envoy reads a connection on one thread and hands each read to the
+    /// filters before it reads again, so what a client sends after this
+    /// reaches the filter in a later body callback than what was read
+    /// before: a test can force where a body is split, however slowly Envoy
+    /// is scheduled.
+    pub async fn wait_for_envoy_to_read(&self, bytes: u64, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let read = self.envoy_bytes_read().await?;
+            if read >= bytes {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("Envoy read {read} bytes from clients, not {bytes}, within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// The sidecar's `/debug/workers` view.
     pub async fn sidecar_workers(&self) -> anyhow::Result<Vec<Value>> {
         let view: Value = self
@@ -753,6 +808,28 @@ impl Cluster {
         self.sidecar_grpc = grpc;
         self.sidecar_admin = admin;
         Ok(())
+    }
+}
+
+/// Reads `read` until it returns `expected`, or until `timeout` has passed,
+/// and returns the last value read, for the caller to assert on. For
+/// counters that trail the replies a test waited for: an Outcome reaches
+/// the sidecar just after its response, and the sidecar releases the pick
+/// (what `wait_for_no_in_flight` sees) a moment before it counts the
+/// report. The deadline only bounds the wait for a value that never comes.
+pub async fn settled<T, F, Fut>(expected: &T, timeout: Duration, mut read: F) -> anyhow::Result<T>
+where
+    T: PartialEq,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        let value = read().await?;
+        if value == *expected || Instant::now() > deadline {
+            return Ok(value);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

@@ -13,5 +13,5 @@ pub mod redis;
 pub mod vllm;
 pub mod workload;
 
-pub use cluster::{Cluster, ClusterOptions, Engine, Reply};
+pub use cluster::{Cluster, ClusterOptions, Engine, PATIENT_SIDECAR_TIMEOUT_MS, Reply};
 pub use workload::AgentSession;

@@ -109,8 +109,10 @@ impl Prometheus {
             .await
             .is_ok_and(|r| r.status().is_success())
         {
+            // About 1 s alone, several on a loaded machine: this only
+            // bounds a hang.
             anyhow::ensure!(
-                started.elapsed() < Duration::from_secs(30),
+                started.elapsed() < Duration::from_secs(120),
                 "prometheus never became ready"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -138,12 +140,14 @@ impl Prometheus {
             .unwrap_or(0.0))
     }
 
-    /// Polls `query` until it yields at least `at_least` (60 s at most).
+    /// Polls `query` until it yields at least `at_least` (120 s at most: a
+    /// few scrapes take seconds, more on a loaded machine, so the deadline
+    /// only bounds a hang).
     pub async fn wait_for(&self, query: &str, at_least: f64) -> anyhow::Result<()> {
         let started = Instant::now();
         while self.scalar(query).await? < at_least {
             anyhow::ensure!(
-                started.elapsed() < Duration::from_secs(60),
+                started.elapsed() < Duration::from_secs(120),
                 "{query} never reached {at_least}"
             );
             tokio::time::sleep(Duration::from_millis(200)).await;

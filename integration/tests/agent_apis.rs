@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use kvmesh_integration::cluster::settled;
 use kvmesh_integration::{Cluster, ClusterOptions, Reply};
 use serde_json::{Value, json};
 
@@ -130,7 +131,7 @@ fn reported_usage(api: &str, reply: &Reply) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_in_every_api_stay_on_their_worker_and_report_cached_tokens() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let apis = [
         "/v1/chat/completions",
         "/v1/completions",
@@ -180,23 +181,22 @@ async fn sessions_in_every_api_stay_on_their_worker_and_report_cached_tokens() -
             );
         }
     }
-    // One Outcome per request, with exactly the tokens the workers reported.
+    // One Outcome per request, with exactly the tokens the workers reported
+    // (read once the sidecar has applied them all: they trail the replies).
+    let expected = (requests as f64, prompt_sum as f64, cached_sum as f64, requests);
+    let counted = settled(&expected, Duration::from_secs(60), || async {
+        Ok((
+            cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}").await?,
+            cluster.sidecar_metric("kvmesh_reported_prompt_tokens_total").await?,
+            cluster.sidecar_metric("kvmesh_reported_cached_tokens_total").await?,
+            cluster.envoy_counter("wasmcustom.kvmesh.outcomes.with_usage").await?,
+        ))
+    })
+    .await?;
+    assert_eq!(
+        counted, expected,
+        "(reports, prompt tokens, cached tokens, outcomes with usage)"
+    );
     cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
-    assert_eq!(
-        cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}").await?,
-        requests as f64
-    );
-    assert_eq!(
-        cluster.sidecar_metric("kvmesh_reported_prompt_tokens_total").await?,
-        prompt_sum as f64
-    );
-    assert_eq!(
-        cluster.sidecar_metric("kvmesh_reported_cached_tokens_total").await?,
-        cached_sum as f64
-    );
-    assert_eq!(
-        cluster.envoy_counter("wasmcustom.kvmesh.outcomes.with_usage").await?,
-        requests
-    );
     Ok(())
 }

@@ -106,10 +106,13 @@ async fn fetch(http: &reqwest::Client, url: &str) -> anyhow::Result<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn insights_name_the_timestamp_breaker_and_match_hand_computed_figures() -> anyhow::Result<()> {
     // The tenant comes from a hop the operator trusts (a gateway).
-    let cluster = Cluster::start(ClusterOptions {
-        plugin: serde_json::json!({"trust_tenant_header": true}),
-        ..ClusterOptions::default()
-    })
+    let cluster = Cluster::start(
+        ClusterOptions {
+            plugin: serde_json::json!({"trust_tenant_header": true}),
+            ..ClusterOptions::default()
+        }
+        .patient(),
+    )
     .await?;
     let scripts = [
         Script {

@@ -6,10 +6,13 @@ use sha2::{Digest, Sha256};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_over_the_cap_are_routed_counted_and_unchanged() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions {
-        plugin: serde_json::json!({ "max_body_bytes": 1024 }),
-        ..ClusterOptions::default()
-    })
+    let cluster = Cluster::start(
+        ClusterOptions {
+            plugin: serde_json::json!({ "max_body_bytes": 1024 }),
+            ..ClusterOptions::default()
+        }
+        .patient(),
+    )
     .await?;
     let session = AgentSession::new("acme/bigrepo");
     let mut workers = Vec::new();

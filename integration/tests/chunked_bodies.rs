@@ -61,9 +61,13 @@ fn native_pick(body: &[u8], session: &str) -> anyhow::Result<(PickRequest, usize
 
 /// POSTs `body` over HTTP/1.1 on a fresh connection in writes of `chunk`
 /// bytes, each on its own TCP segment, pausing now and then so that Envoy
-/// reads it in many pieces. Returns the status and the worker that answered.
+/// reads it in many pieces. The last write waits until Envoy has read every
+/// byte before it, so the filter has had all but the last piece before the
+/// last piece comes, however late Envoy runs. Returns the status and the
+/// worker that answered.
 async fn post_in_chunks(cluster: &Cluster, body: &[u8], chunk: usize, session: &str) -> anyhow::Result<(u16, String)> {
     let authority = cluster.envoy_url.trim_start_matches("http://").to_owned();
+    let read_before = cluster.envoy_bytes_read().await?;
     let mut tcp = tokio::net::TcpStream::connect(&authority).await?;
     tcp.set_nodelay(true)?;
     let head = format!(
@@ -72,12 +76,19 @@ async fn post_in_chunks(cluster: &Cluster, body: &[u8], chunk: usize, session: &
         body.len()
     );
     tcp.write_all(head.as_bytes()).await?;
-    for (n, piece) in body.chunks(chunk).enumerate() {
+    let pieces: Vec<&[u8]> = body.chunks(chunk).collect();
+    let (last, before_last) = pieces.split_last().ok_or_else(|| anyhow::anyhow!("an empty body"))?;
+    for (n, piece) in before_last.iter().enumerate() {
         tcp.write_all(piece).await?;
         if chunk > 1 || n % 512 == 511 {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
     }
+    let sent = (head.len() + body.len() - last.len()) as u64;
+    cluster
+        .wait_for_envoy_to_read(read_before + sent, Duration::from_secs(60))
+        .await?;
+    tcp.write_all(last).await?;
     let mut reply = Vec::new();
     tokio::time::timeout(Duration::from_secs(30), tcp.read_to_end(&mut reply)).await??;
     let text = String::from_utf8_lossy(&reply);
@@ -111,7 +122,7 @@ async fn post_at_once(cluster: &Cluster, body: &[u8], session: &str) -> anyhow::
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_in_one_byte_and_64_kb_writes_hash_as_one_chunk() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let predicted = || cluster.sidecar_metric("kvmesh_predicted_cached_blocks_total");
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.sidecar_grpc))?
         .connect()

@@ -5,7 +5,7 @@ use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_destination_is_replaced_by_the_sidecars_pick() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let session = AgentSession::new("acme/ledger");
     let first = cluster.chat(&session.call(0), &[("x-session-id", "forge-1")]).await?;
     let home = first.worker.clone().unwrap_or_default();

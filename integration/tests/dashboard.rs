@@ -5,8 +5,9 @@
 use std::collections::BTreeSet;
 
 use anyhow::{Context, bail};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use kvmesh_integration::cluster::settled;
 use kvmesh_integration::paths::repo_root;
 use kvmesh_integration::prometheus::{self, Prometheus, dashboard, expressions};
 use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
@@ -190,7 +191,7 @@ fn label_names(text: &str) -> BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_metric_the_dashboard_queries_is_exported() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let session = AgentSession::new("acme/dashboard");
     for turn in 0..3 {
         let reply = cluster
@@ -201,6 +202,13 @@ async fn every_metric_the_dashboard_queries_is_exported() -> anyhow::Result<()> 
             .await?;
         assert_eq!(reply.status, 200);
     }
+    // The series a report creates exist once the sidecar counted all three
+    // (it releases a pick a moment before it counts the report).
+    let reports = settled(&3.0, Duration::from_secs(60), || {
+        cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}")
+    })
+    .await?;
+    assert_eq!(reports, 3.0);
     cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
     let http = reqwest::Client::builder().no_proxy().build()?;
     let sidecar = http
@@ -266,7 +274,7 @@ fn the_dashboard_ships_as_a_configmap_grafana_discovers() -> anyhow::Result<()> 
 /// HTTP API, parses and returns series, and every variable query has values.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_query_returns_series_in_a_real_prometheus() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let prometheus = Prometheus::start(&cluster.dir.join("prometheus"), &prometheus::jobs(&cluster)).await?;
     for turn in 0..4 {
         for (session, agent) in [("prom-1", "opencode/1.0.120"), ("prom-2", "claude-cli/2.1.80")] {
@@ -292,13 +300,23 @@ async fn every_dashboard_query_returns_series_in_a_real_prometheus() -> anyhow::
             .wait_for(&format!("min(count_over_time({series}[1m]))"), 3.0)
             .await?;
     }
-    let empty = prometheus.empty_dashboard_queries().await?;
-    if !empty.is_empty() {
-        bail!(
-            "{} dashboard queries returned no series after traffic:\n{}",
-            empty.len(),
-            empty.join("\n")
-        );
+    // A series the sidecar creates later than those (an idle session's, on
+    // a later tick) needs its own samples: poll until every query returns
+    // series. A metric nobody exports never does; the deadline only bounds
+    // that wait.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let empty = prometheus.empty_dashboard_queries().await?;
+        if empty.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "{} dashboard queries returned no series after traffic:\n{}",
+                empty.len(),
+                empty.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    Ok(())
 }

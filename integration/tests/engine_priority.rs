@@ -60,6 +60,9 @@ async fn post(cluster: &Cluster, path: &str, headers: &[(&str, &str)], body: &[u
 
 /// POSTs `body` over HTTP/1.1 in writes of `chunk` bytes with pauses, so
 /// Envoy hands it to the filter in many callbacks; returns the status.
+/// After the first piece and before the last one it waits until Envoy has
+/// read everything sent so far, so the body reaches the filter in at least
+/// three callbacks however late Envoy runs.
 async fn post_in_chunks(
     cluster: &Cluster,
     path: &str,
@@ -68,6 +71,7 @@ async fn post_in_chunks(
     chunk: usize,
 ) -> anyhow::Result<u16> {
     let authority = cluster.envoy_url.trim_start_matches("http://").to_owned();
+    let read_before = cluster.envoy_bytes_read().await?;
     let mut tcp = tokio::net::TcpStream::connect(&authority).await?;
     tcp.set_nodelay(true)?;
     let head = format!(
@@ -76,8 +80,17 @@ async fn post_in_chunks(
         body.len()
     );
     tcp.write_all(head.as_bytes()).await?;
-    for piece in body.chunks(chunk) {
+    let pieces: Vec<&[u8]> = body.chunks(chunk).collect();
+    anyhow::ensure!(pieces.len() >= 3, "{path}: a body of {} pieces", pieces.len());
+    let mut sent = head.len();
+    for (n, piece) in pieces.iter().enumerate() {
+        if n == 1 || n + 1 == pieces.len() {
+            cluster
+                .wait_for_envoy_to_read(read_before + sent as u64, Duration::from_secs(60))
+                .await?;
+        }
         tcp.write_all(piece).await?;
+        sent += piece.len();
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let mut reply = Vec::new();
@@ -116,6 +129,7 @@ fn priority_cluster(engine: &str) -> ClusterOptions {
         plugin: json!({"priority_field": {"engine": engine}}),
         ..ClusterOptions::default()
     }
+    .patient()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -266,10 +280,13 @@ async fn hostile_priorities_are_clamped_or_dropped_never_forwarded_raw() -> anyh
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_rewriting_off_bodies_reach_the_engine_untouched() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions {
-        workers: 1,
-        ..ClusterOptions::default()
-    })
+    let cluster = Cluster::start(
+        ClusterOptions {
+            workers: 1,
+            ..ClusterOptions::default()
+        }
+        .patient(),
+    )
     .await?;
     let mut bodies = api_bodies();
     bodies.push((
@@ -291,7 +308,8 @@ async fn the_declared_retention_horizon_reaches_the_sidecar() -> anyhow::Result<
     let mut options = ClusterOptions {
         workers: 1,
         ..ClusterOptions::default()
-    };
+    }
+    .patient();
     options
         .sidecar_args
         .extend(["--log".to_owned(), "info,kvmesh_sidecar=debug".to_owned()]);

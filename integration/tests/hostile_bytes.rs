@@ -44,7 +44,7 @@ fn assert_routed(reply: &Reply, case: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytes_that_are_not_utf8_never_panic_the_filter_and_never_reopen_steering() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let session = AgentSession::new("acme/hostile-bytes");
     let json: (&str, &[u8]) = ("content-type", b"application/json");
 
@@ -224,7 +224,7 @@ async fn raw_http1_status(cluster: &Cluster, extra: &[u8]) -> anyhow::Result<u16
 /// the filter's stream, are routed as usual.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_5_mb_model_name_fails_open_alone_and_the_stream_stays_up() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let session = AgentSession::new("acme/huge-model");
     let headers = [("x-session-id", "huge-model")];
     let before = cluster.chat(&session.call(0), &headers).await?;

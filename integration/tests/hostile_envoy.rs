@@ -112,7 +112,7 @@ fn check(case: &str, sent: &[u8], reply: &Reply, workers: &[String]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_requests_never_break_envoy_or_route_by_the_client() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let workers = cluster.worker_names();
     let before = stats(&cluster).await?;
     let mut statuses = Vec::new();

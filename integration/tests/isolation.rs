@@ -5,7 +5,7 @@ use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_never_share_prefix_matches() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let session = AgentSession::new("acme/shared-prompt");
     let predicted = || cluster.sidecar_metric("kvmesh_predicted_cached_blocks_total");
     // Tenant a's prompt is cached after its first call...
@@ -37,7 +37,7 @@ fn tenant_of(credential: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_sent_tenant_header_claims_no_other_tenants_cache() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let session = AgentSession::new("acme/victim");
     let predicted = || cluster.sidecar_metric("kvmesh_predicted_cached_blocks_total");
     // The victim works on its session with its own key (and a tenant header,
@@ -97,10 +97,13 @@ async fn a_client_sent_tenant_header_claims_no_other_tenants_cache() -> anyhow::
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_header_from_a_trusted_hop_names_the_tenant() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions {
-        plugin: serde_json::json!({"trust_tenant_header": true}),
-        ..ClusterOptions::default()
-    })
+    let cluster = Cluster::start(
+        ClusterOptions {
+            plugin: serde_json::json!({"trust_tenant_header": true}),
+            ..ClusterOptions::default()
+        }
+        .patient(),
+    )
     .await?;
     let session = AgentSession::new("acme/gateway");
     let predicted = || cluster.sidecar_metric("kvmesh_predicted_cached_blocks_total");
@@ -145,7 +148,7 @@ async fn a_tenant_header_from_a_trusted_hop_names_the_tenant() -> anyhow::Result
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_prompt_text_in_logs_metrics_or_debug_pages() -> anyhow::Result<()> {
     const MARKER: &str = "KVMESH-MARKER-7f3a9c21";
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let mut body = AgentSession::new("acme/secret").call(1);
     body["messages"][1]["content"] = serde_json::json!(format!("please handle {MARKER} carefully"));
     for _ in 0..3 {

@@ -133,10 +133,13 @@ async fn session_sticks_and_reuses_its_cache(cluster: &mut Cluster, retries: boo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_session_through_the_envoyfilters_sticks_and_reuses_its_cache() -> anyhow::Result<()> {
-    let mut cluster = Cluster::start(ClusterOptions {
-        envoy_template: Some(bootstrap("sidecar", None, None)?),
-        ..ClusterOptions::default()
-    })
+    let mut cluster = Cluster::start(
+        ClusterOptions {
+            envoy_template: Some(bootstrap("sidecar", None, None)?),
+            ..ClusterOptions::default()
+        }
+        .patient(),
+    )
     .await?;
     session_sticks_and_reuses_its_cache(&mut cluster, true).await
 }
@@ -145,10 +148,13 @@ async fn an_agent_session_through_the_envoyfilters_sticks_and_reuses_its_cache()
 async fn an_agent_session_through_the_gateway_envoyfilters_sticks_and_reuses_its_cache() -> anyhow::Result<()> {
     // The gateway's route (and its retries) come from the user's
     // VirtualService, so only the routing is shown here.
-    let mut cluster = Cluster::start(ClusterOptions {
-        envoy_template: Some(bootstrap("gateway", None, None)?),
-        ..ClusterOptions::default()
-    })
+    let mut cluster = Cluster::start(
+        ClusterOptions {
+            envoy_template: Some(bootstrap("gateway", None, None)?),
+            ..ClusterOptions::default()
+        }
+        .patient(),
+    )
     .await?;
     session_sticks_and_reuses_its_cache(&mut cluster, false).await
 }
@@ -187,10 +193,13 @@ async fn a_remote_module_is_fetched_checked_and_routes() -> anyhow::Result<()> {
     let wasm = std::fs::read(paths::filter_wasm()?)?;
     let digest = sha256_hex(&wasm);
     let (server, task) = serve(wasm).await?;
-    let mut cluster = Cluster::start(ClusterOptions {
-        envoy_template: Some(bootstrap("sidecar-remote-module", Some(server), Some(&digest))?),
-        ..ClusterOptions::default()
-    })
+    let mut cluster = Cluster::start(
+        ClusterOptions {
+            envoy_template: Some(bootstrap("sidecar-remote-module", Some(server), Some(&digest))?),
+            ..ClusterOptions::default()
+        }
+        .patient(),
+    )
     .await?;
     let result = session_sticks_and_reuses_its_cache(&mut cluster, true).await;
     task.abort();

@@ -376,7 +376,8 @@ fn the_real_sidecar_accepts_the_shipped_configuration() -> anyhow::Result<()> {
         ],
         &dir,
     )?;
-    let started = process.wait_for_line("listening", Duration::from_secs(30));
+    // A start takes about a second; the deadline only bounds a hang.
+    let started = process.wait_for_line("listening", Duration::from_secs(120));
     let log = process.log_tail();
     process.stop();
     let _ = std::fs::remove_dir_all(&dir);

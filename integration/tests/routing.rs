@@ -4,11 +4,12 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use kvmesh_integration::cluster::settled;
 use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_growing_session_stays_on_one_worker_and_reuses_its_cache() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let session = AgentSession::new("acme/payments");
     let mut workers = Vec::new();
     let mut cached = Vec::new();
@@ -46,18 +47,20 @@ async fn a_growing_session_stays_on_one_worker_and_reuses_its_cache() -> anyhow:
     let unary = cluster.envoy_counter("wasmcustom.kvmesh.sidecar.unary_calls").await?;
     assert_eq!(on_stream + unary, 20);
     assert!(on_stream >= 18, "{on_stream} picks on the stream, {unary} unary");
-    // Every routed call reported its outcome: nothing is left in flight.
+    // Every routed call reported its outcome (counted once the sidecar
+    // applied it) and nothing is left in flight.
+    let reports = settled(&20.0, Duration::from_secs(60), || {
+        cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}")
+    })
+    .await?;
+    assert_eq!(reports, 20.0);
     cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
-    assert_eq!(
-        cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}").await?,
-        20.0
-    );
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_with_different_prefixes_spread_over_all_workers() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let mut per_worker: BTreeMap<String, usize> = BTreeMap::new();
     for s in 0..12 {
         let session = AgentSession::new(&format!("team/repo-{s}"));

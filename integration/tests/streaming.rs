@@ -6,7 +6,7 @@ use serde_json::Value;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_calls_follow_their_session_and_carry_usage() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
     let session = AgentSession::new("acme/streams");
     let mut workers = Vec::new();
     let mut cached = Vec::new();

@@ -12,7 +12,7 @@ fn options(filter_token: Option<&str>) -> ClusterOptions {
     if let Some(token) = filter_token {
         options.plugin = serde_json::json!({ "sidecar_token": token });
     }
-    options
+    options.patient()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -49,5 +49,13 @@ async fn a_filter_without_the_token_fails_open() -> anyhow::Result<()> {
         assert!(reply.saw_destination.is_none());
     }
     assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.picks").await?, 0);
+    // Each failed open because the sidecar refused it, not on the timeout.
+    assert_eq!(
+        cluster
+            .envoy_counter("wasmcustom.kvmesh.fail_open.sidecar_error")
+            .await?,
+        4
+    );
+    assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.fail_open.timeout").await?, 0);
     Ok(())
 }

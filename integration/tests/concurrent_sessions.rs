@@ -6,6 +6,12 @@
 //! A session may move during the burst of sixteen first prefills, when
 //! recomputing its still short prefix elsewhere is cheaper than queueing
 //! behind them; what users feel is the cache reuse, which is what is held.
+//!
+//! Nothing is timed: every figure is a count of the calls themselves (their
+//! workers, their cached tokens, the filter's pick counter), and the return
+//! of the in-flight counts to zero is polled for, with a deadline that only
+//! bounds a hang. The router's queue model drains with wall time, so on a
+//! slow machine the calls overlap less, which only makes moves rarer.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -13,12 +19,19 @@ use std::time::Duration;
 
 use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 
+/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
+/// budget a loaded machine can exceed, and a Pick that fails open is not
+/// routed, which this test needs every call to be (`fail_open.rs` tests the
+/// budget). Here it only bounds a hang.
+const SIDECAR_TIMEOUT_MS: u64 = 5_000;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_concurrent_sessions_spread_and_reuse_their_cache() -> anyhow::Result<()> {
     let cluster = Arc::new(
         Cluster::start(ClusterOptions {
             // Some engine time, so requests overlap on every Envoy worker.
             sim_args: vec!["--time-scale".into(), "0.2".into()],
+            plugin: serde_json::json!({ "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS }),
             ..ClusterOptions::default()
         })
         .await?,
@@ -60,7 +73,8 @@ async fn sixteen_concurrent_sessions_spread_and_reuse_their_cache() -> anyhow::R
         reused * 10 >= later_calls * 9,
         "only {reused} of {later_calls} later calls reused the cache"
     );
-    cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
+    // Only bounds a hang: the last outcome reports follow the last replies.
+    cluster.wait_for_no_in_flight(Duration::from_secs(60)).await?;
     assert_eq!(cluster.envoy_counter("wasmcustom.kvmesh.picks").await?, 96);
     Ok(())
 }

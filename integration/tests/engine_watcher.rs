@@ -8,6 +8,16 @@ use std::time::{Duration, Instant};
 use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
 use serde_json::Value;
 
+/// Deadline of a poll for something the watcher must do: only bounds a
+/// hang (it scrapes every 200 ms; the times taken are printed).
+const HANG: Duration = Duration::from_secs(60);
+
+/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
+/// budget a loaded machine can exceed, and a Pick that fails open is not
+/// routed, which this test needs every call to be (`fail_open.rs` tests the
+/// budget). Here it only bounds a hang.
+const SIDECAR_TIMEOUT_MS: u64 = 5_000;
+
 async fn worker_view(cluster: &Cluster, address: &str) -> anyhow::Result<Value> {
     let workers = cluster.sidecar_workers().await?;
     workers
@@ -47,7 +57,7 @@ async fn wait_until(
             return Ok(started.elapsed());
         }
         anyhow::ensure!(
-            started.elapsed() < Duration::from_secs(10),
+            started.elapsed() < HANG,
             "{address} never {what}: {}",
             worker_view(cluster, address).await?
         );
@@ -65,6 +75,7 @@ async fn the_watcher_reads_capacity_restarts_and_health() -> anyhow::Result<()> 
             "--metrics-names".into(),
             "sglang".into(),
         ],
+        plugin: serde_json::json!({ "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS }),
         ..ClusterOptions::default()
     })
     .await?;
@@ -124,7 +135,7 @@ async fn the_watcher_reads_capacity_restarts_and_health() -> anyhow::Result<()> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_capacity_is_converted_at_the_filters_block_size() -> anyhow::Result<()> {
     let cluster = Cluster::start(ClusterOptions {
-        plugin: serde_json::json!({"block_bytes": 512}),
+        plugin: serde_json::json!({"block_bytes": 512, "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS}),
         ..ClusterOptions::default()
     })
     .await?;
@@ -135,7 +146,7 @@ async fn engine_capacity_is_converted_at_the_filters_block_size() -> anyhow::Res
         assert_eq!(reply.status, 200, "{}", reply.body);
         home = reply.worker.unwrap_or_default();
     }
-    cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
+    cluster.wait_for_no_in_flight(HANG).await?;
     wait_until(&cluster, &home, "converted its capacity at 512 bytes", |w| {
         w["engine_capacity_tokens"] == 200_000 && w["capacity_blocks"] == converted(w, 512)
     })
@@ -158,7 +169,11 @@ async fn engine_capacity_is_converted_at_the_filters_block_size() -> anyhow::Res
 /// a busy engine is no outage).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_is_not_up_yet_is_not_picked() -> anyhow::Result<()> {
-    let mut cluster = Cluster::start(ClusterOptions::default()).await?;
+    let mut cluster = Cluster::start(ClusterOptions {
+        plugin: serde_json::json!({ "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS }),
+        ..ClusterOptions::default()
+    })
+    .await?;
     let absent = cluster.worker_names()[2].clone();
     cluster.kill_worker_at(&absent)?;
     // A new sidecar, whose watcher has never seen that worker up.
@@ -181,7 +196,15 @@ async fn a_worker_that_is_not_up_yet_is_not_picked() -> anyhow::Result<()> {
             "ranked a worker not up: {ranked}"
         );
     }
+    // Marked down once, at its first failed scrape: never up, so never back
+    // up and down again. (A live worker marked down too, after two scrapes
+    // slower than the watcher's timeout on a loaded machine, is no error
+    // here: it is only printed.)
     let log = cluster.sidecar.log();
-    assert_eq!(log.matches("worker marked down").count(), 1, "{log}");
+    let down: Vec<&str> = log.lines().filter(|l| l.contains("worker marked down")).collect();
+    assert_eq!(down.iter().filter(|l| l.contains(absent.as_str())).count(), 1, "{log}");
+    if down.len() > 1 {
+        eprintln!("live workers marked down as well: {down:?}");
+    }
     Ok(())
 }

@@ -1,7 +1,14 @@
 //! Two sidecar replicas sharing state through a real redis-server: they
-//! agree on a session's worker within 100 ms, a replica restarted warm
-//! answers with the overlap it had, and when Redis dies and returns, Picks
-//! never stop and the replicas converge.
+//! agree on a session's worker through the Redis stream, woken by the entry
+//! (not at the end of the reader's 1 s blocking read), a replica restarted
+//! warm answers with the overlap it had, and when Redis stalls and then
+//! dies and returns, Picks never wait on it and the replicas converge.
+//!
+//! Nothing asserted depends on this machine's speed: the latencies are
+//! printed as figures, and each bound sits between what the property gives
+//! on a loaded machine (tens of ms) and what its failure would give (about
+//! 1 s, or Redis's 2 s response timeout). Other waits poll for the
+//! condition, with a deadline that only bounds a hang.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -9,13 +16,22 @@ use std::time::{Duration, Instant};
 
 use kvmesh_integration::cluster::start_sidecar;
 use kvmesh_integration::paths::Profile;
-use kvmesh_integration::process::Process;
+use kvmesh_integration::process::{Process, Signal};
 use kvmesh_integration::redis::RedisServer;
 use kvmesh_proto::v1::router_client::RouterClient;
 use kvmesh_proto::v1::{PickReply, PickRequest};
 use tonic::transport::Channel;
 
 const WORKERS: [&str; 3] = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"];
+/// How long the stream reader's `XREAD BLOCK` waits for an entry
+/// (sidecar/src/store.rs): an entry that did not wake it would be seen only
+/// when the block ends.
+const READ_BLOCK: Duration = Duration::from_millis(1000);
+/// The publisher's Redis response timeout (sidecar/src/store.rs): what a
+/// Pick that waited on a stalled Redis would wait.
+const REDIS_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Deadline of a poll for something that must happen: only bounds a hang.
+const HANG: Duration = Duration::from_secs(60);
 
 struct Replica {
     process: Process,
@@ -119,22 +135,29 @@ async fn replicas_agree_restart_warm_and_survive_redis() -> anyhow::Result<()> {
     let mut b = replica(&dir.join("b"), &redis.url(), any).await?;
     let http = reqwest::Client::builder().no_proxy().build()?;
 
-    // Agreement: a decision on A is known to B within 100 ms.
-    let mut worst = Duration::ZERO;
+    // Agreement: a decision on A reaches B. B read the (empty) snapshot at
+    // its start only, and gets no Pick for the session before the check, so
+    // only A's entry on the Redis stream can tell it.
+    let mut took = Vec::new();
     for s in 0..5u64 {
         let session = format!("agree-{s}");
         let first = pick(&mut a, request(&session, s, 40)).await?;
-        let took = wait_for_home(&http, &b, &session, &first.destinations[0], Duration::from_secs(5)).await?;
-        worst = worst.max(took);
+        took.push(wait_for_home(&http, &b, &session, &first.destinations[0], HANG).await?);
         let next = pick(&mut b, request(&session, s, 44)).await?;
         assert_eq!(next.destinations[0], first.destinations[0], "{session}");
         assert_eq!(next.predicted_cached_blocks, 40, "{session}");
     }
+    took.sort();
+    let (median, worst) = (took[took.len() / 2], took[took.len() - 1]);
+    eprintln!("replicas agreed within {worst:?} (median {median:?})");
+    // Woken by the entry: had B seen each entry only when its blocking read
+    // ended, the sessions after the first would each have waited most of
+    // the block (the read restarts just after the previous agreement), a
+    // median near 1 s; woken, it is a few hops, tens of ms even at load 8.
     assert!(
-        worst < Duration::from_millis(100),
-        "replicas agreed only after {worst:?}"
+        median < READ_BLOCK / 2,
+        "replicas agreed only after {took:?}: B's read was not woken by A's entries"
     );
-    eprintln!("replicas agreed within {worst:?}");
 
     // Warm restart: A stops (writing a snapshot) and comes back knowing
     // every session's prefix.
@@ -158,20 +181,43 @@ async fn replicas_agree_restart_warm_and_survive_redis() -> anyhow::Result<()> {
         );
     }
 
-    // Redis dies: Picks go on from memory, quickly.
-    redis.kill()?;
+    // Redis stalls (SIGSTOP: it accepts nothing and answers nothing), then
+    // dies: Picks go on from memory. A Pick that waited on Redis would wait
+    // out the 2 s response timeout while it is stalled; these must not.
+    let baseline = {
+        let started = Instant::now();
+        pick(&mut a, request("before-outage", 19, 20)).await?;
+        started.elapsed()
+    };
+    redis.signal(Signal::SIGSTOP)?;
     let mut outage = Vec::new();
-    for s in 20..26u64 {
+    let mut stalled_worst = Duration::ZERO;
+    for s in 20..23u64 {
         let session = format!("outage-{s}");
         let started = Instant::now();
         let reply = pick(&mut a, request(&session, s, 20)).await?;
-        assert!(started.elapsed() < Duration::from_millis(50), "a Pick waited on redis");
+        stalled_worst = stalled_worst.max(started.elapsed());
+        outage.push((session, reply.destinations[0].clone()));
+    }
+    eprintln!("Picks with Redis stalled: worst {stalled_worst:?} (one before: {baseline:?})");
+    assert!(
+        stalled_worst < REDIS_RESPONSE_TIMEOUT / 2,
+        "a Pick waited on the stalled redis: {stalled_worst:?}"
+    );
+    // Killed while still stopped: resumed first, it could answer A's
+    // pending write just before dying, and those placements would be lost
+    // with it instead of held for the next Redis.
+    redis.signal(Signal::SIGKILL)?;
+    redis.kill()?;
+    for s in 23..26u64 {
+        let session = format!("outage-{s}");
+        let reply = pick(&mut a, request(&session, s, 20)).await?;
         outage.push((session, reply.destinations[0].clone()));
     }
     // Redis returns empty; what A decided meanwhile reaches B.
     redis.restart()?;
     for (session, worker) in &outage {
-        wait_for_home(&http, &b, session, worker, Duration::from_secs(15)).await?;
+        wait_for_home(&http, &b, session, worker, HANG).await?;
     }
     let reply = pick(&mut b, request(&outage[0].0, 20, 24)).await?;
     assert_eq!(

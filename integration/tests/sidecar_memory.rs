@@ -11,6 +11,11 @@
 //! router's `max_models` (1024). Measured on a 2-core machine, debug build:
 //! RSS 14 MB at start, peak 29 MB after the 3 MB names (31-37 s), 30-31 MB
 //! after the short ones (13-16 s); the bound leaves three times that.
+//!
+//! The times are printed, not asserted: they are this machine's speed (at
+//! load 12 on the same machine the phases took 302 s and 161 s). What is
+//! asserted is memory and counts; the only bound on time is a deadline per
+//! phase that catches a hang.
 #![allow(clippy::unwrap_used, clippy::panic)]
 
 use std::net::SocketAddr;
@@ -29,6 +34,9 @@ const BIG_MODEL_BYTES: usize = 3 << 20;
 const MAX_HWM_KB: u64 = 100 * 1024;
 /// `RouterConfig::default().max_models`.
 const MAX_MODELS: f64 = 1024.0;
+/// Deadline of each phase: only bounds a hang (a phase took 5 minutes at
+/// load 12 on a 2-core machine).
+const HANG: Duration = Duration::from_secs(30 * 60);
 
 fn pick(model: String, session: String, request_id: u64) -> PickRequest {
     PickRequest {
@@ -83,31 +91,41 @@ async fn distinct_model_names_leave_memory_bounded() -> anyhow::Result<()> {
         pick(model, format!("big-{i}"), i)
     }));
     let mut replies = router.pick_stream(picks).await?.into_inner();
-    let mut rejected = 0u64;
-    while let Some(reply) = replies.message().await? {
-        assert_eq!(reply.reason(), PickReason::Rejected, "{reply:?}");
-        rejected += 1;
-    }
+    let rejected = tokio::time::timeout(HANG, async {
+        let mut rejected = 0u64;
+        while let Some(reply) = replies.message().await? {
+            assert_eq!(reply.reason(), PickReason::Rejected, "{reply:?}");
+            rejected += 1;
+        }
+        anyhow::Ok(rejected)
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("the 3 MB Picks hung: not all answered within {HANG:?}"))??;
     let big_took = started.elapsed();
     assert_eq!(rejected, BIG_PICKS);
     let (big_rss, big_hwm) = memory_kib(pid).expect("the sidecar's /proc status");
 
     let started = Instant::now();
-    for i in 0..SHORT_PICKS {
-        let reply = router
-            .pick(pick(format!("model-{i}"), format!("short-{i}"), 0))
-            .await?
-            .into_inner();
-        router
-            .report(Outcome {
-                pick_id: reply.pick_id,
-                destination: reply.destinations[0].clone(),
-                status: 200,
-                prompt_tokens: Some(100),
-                ..Outcome::default()
-            })
-            .await?;
-    }
+    tokio::time::timeout(HANG, async {
+        for i in 0..SHORT_PICKS {
+            let reply = router
+                .pick(pick(format!("model-{i}"), format!("short-{i}"), 0))
+                .await?
+                .into_inner();
+            router
+                .report(Outcome {
+                    pick_id: reply.pick_id,
+                    destination: reply.destinations[0].clone(),
+                    status: 200,
+                    prompt_tokens: Some(100),
+                    ..Outcome::default()
+                })
+                .await?;
+        }
+        anyhow::Ok(())
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("the short Picks hung: not all answered within {HANG:?}"))??;
     let short_took = started.elapsed();
     let (end_rss, end_hwm) = memory_kib(pid).expect("the sidecar's /proc status");
     let models = metric(&http, admin, "kvmesh_models").await;
@@ -123,7 +141,5 @@ async fn distinct_model_names_leave_memory_bounded() -> anyhow::Result<()> {
     );
     drop(sidecar);
     let _ = std::fs::remove_dir_all(&dir);
-    // Both phases must stay practical on a small machine.
-    assert!(big_took < Duration::from_secs(300), "{big_took:?}");
     Ok(())
 }

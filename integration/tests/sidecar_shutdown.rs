@@ -6,11 +6,14 @@
 //!
 //! Two replicas share Redis and are both endpoints of Envoy's
 //! `kvmesh_sidecar` cluster; clients keep sending session calls; replica A
-//! gets SIGTERM. Asserted: A exits within `--shutdown-grace-ms` (+ 2 s of
-//! margin for a loaded machine), every call is a 200, A logs that it
-//! answered 0 Picks after the signal, flushed Redis and wrote its snapshot,
-//! and every call sent after the signal that was routed was routed by B
-//! (B's pick counter rose by at least that many); the rest failed open.
+//! gets SIGTERM. Asserted: A ends its own shutdown before its
+//! `--shutdown-grace-ms` runs out (its log says it stopped, and the grace
+//! timer, which would have cut it short, never fired), every call is a 200,
+//! A logs that it answered 0 Picks after the signal, flushed Redis and wrote
+//! its snapshot, and every call sent after A logged that its shutdown began
+//! that was routed was routed by B (B's pick counter rose by at least that
+//! many); the rest failed open. Nothing is timed but the exit, which is
+//! printed: the log lines prove the path on a machine of any speed.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -98,29 +101,46 @@ async fn a_replica_stopped_under_traffic_stops_routing_and_exits_promptly() -> a
     let signalled = Instant::now();
     cluster.sidecar.signal(Signal::SIGTERM)?;
     // `Cluster` is shared with the clients: wait for A's exit through a
-    // scratch handle of its pid, polling /proc.
+    // scratch handle of its pid, polling /proc. On the way, note when A's
+    // log first says its shutdown began: a call sent after that cannot have
+    // been decided by A (a call sent between the signal and A handling it,
+    // a moment later on a loaded machine, still could).
     let a_pid = cluster.sidecar.pid();
+    let mut began_seen = None;
     let exited_within = loop {
+        if began_seen.is_none() && cluster.sidecar.log().contains("shutdown began") {
+            began_seen = Some(Instant::now());
+        }
         let state = std::fs::read_to_string(format!("/proc/{a_pid}/stat")).unwrap_or_default();
         // Gone, or a zombie waiting to be reaped: it has exited.
         if state.is_empty() || state.split_whitespace().nth(2) == Some("Z") {
             break signalled.elapsed();
         }
+        // Only bounds a hang: the grace timer exits A at GRACE_MS whatever
+        // its shutdown is doing, and the log below tells which ended it.
         anyhow::ensure!(
-            signalled.elapsed() < Duration::from_millis(GRACE_MS) + Duration::from_secs(2),
+            signalled.elapsed() < Duration::from_millis(GRACE_MS) + Duration::from_secs(30),
             "replica A still running {:?} after SIGTERM:\n{}",
             signalled.elapsed(),
             cluster.sidecar.log_tail()
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
+    // The line is written before A exits; read after the exit if the loop
+    // never caught it while A ran.
+    let began_seen = began_seen.unwrap_or_else(Instant::now);
+    anyhow::ensure!(
+        cluster.sidecar.log().contains("shutdown began"),
+        "A exited without logging that its shutdown began:\n{}",
+        cluster.sidecar.log_tail()
+    );
 
     // Keep the traffic going until B has taken over (the filter reopens a
     // closed stream after a second; Envoy's round robin may offer the dead
     // address first) and a few seconds have passed.
-    let deadline = signalled + Duration::from_secs(30);
+    let deadline = signalled + Duration::from_secs(60);
     loop {
-        let after = calls.lock().await.iter().filter(|c| c.sent > signalled).count();
+        let after = calls.lock().await.iter().filter(|c| c.sent > began_seen).count();
         let b_rise = picks_total(&cluster, b_admin).await? - b_before;
         if signalled.elapsed() > Duration::from_secs(4) && b_rise >= 10.0 && after >= 20 {
             break;
@@ -139,27 +159,32 @@ async fn a_replica_stopped_under_traffic_stops_routing_and_exits_promptly() -> a
 
     let calls = calls.lock().await.clone();
     let failed: Vec<&Call> = calls.iter().filter(|c| c.status != 200).collect();
-    let after: Vec<&Call> = calls.iter().filter(|c| c.sent > signalled).collect();
+    let after: Vec<&Call> = calls.iter().filter(|c| c.sent > began_seen).collect();
     let routed_after = after.iter().filter(|c| c.routed).count();
     let log = cluster.sidecar.log();
     eprintln!(
-        "A exited {exited_within:?} after SIGTERM; {} calls, {} after the signal, {routed_after} of them routed \
-         (B's picks +{b_rise}), {} failed open",
+        "A exited {exited_within:?} after SIGTERM (grace {GRACE_MS} ms); {} calls, {} after its shutdown began, \
+         {routed_after} of them routed (B's picks +{b_rise}), {} failed open",
         calls.len(),
         after.len(),
         after.len() - routed_after
     );
     assert!(failed.is_empty(), "{} calls failed: {failed:?}", failed.len());
+    // A's own shutdown ended it, within the grace: had it still been
+    // running when the grace ran out, the grace timer would have logged so
+    // and exited before A's last line.
+    assert!(log.contains("kvmesh-sidecar stopped"), "A's log:\n{log}");
+    assert!(!log.contains("is over: exiting now"), "A's log:\n{log}");
     assert!(log.contains("0 picks answered after shutdown began"), "A's log:\n{log}");
     assert!(log.contains("redis backlog flushed"), "A's log:\n{log}");
     assert!(log.contains("snapshot written to redis"), "A's log:\n{log}");
     assert!(
         b_rise >= routed_after as f64,
-        "{routed_after} calls were routed after the signal but B decided only {b_rise}"
+        "{routed_after} calls were routed after A's shutdown began but B decided only {b_rise}"
     );
     assert!(
         routed_after > 0,
-        "no call was routed after the signal: B never took over"
+        "no call was routed after A's shutdown began: B never took over"
     );
     Ok(())
 }
@@ -191,49 +216,60 @@ fn scratch(name: &str) -> std::path::PathBuf {
 }
 
 /// The grace bounds the whole shutdown, and a second signal cuts it short.
+///
+/// Which of them ended the sidecar is read from its log and exit status,
+/// not from how fast this machine is: the signal task logs why and exits
+/// with status 1, while the orderly path (which here would wait on the
+/// stalled Redis for its 2 s response timeout) logs "snapshot written to
+/// redis" and "kvmesh-sidecar stopped" and exits 0. The only bound on time
+/// that is asserted cannot fail on a slow machine: the grace is not cut
+/// short. The times taken are printed.
 #[test]
 fn the_grace_bounds_a_hung_shutdown_and_a_second_signal_ends_it() -> anyhow::Result<()> {
+    // Only bounds a hang: far past the 500 ms grace and the 2 s Redis
+    // timeout, far below the 60 s grace of the second case.
+    let hang = Duration::from_secs(20);
     let dir = scratch("grace");
     let (mut sidecar, mut redis) = stalled_replica(&dir, 500)?;
     let signalled = Instant::now();
     sidecar.signal(Signal::SIGTERM)?;
-    let status = sidecar.wait_exit(Duration::from_secs(5))?;
+    let status = sidecar.wait_exit(hang)?;
     let took = signalled.elapsed();
-    assert!(
-        status.is_some(),
-        "still running 5 s after SIGTERM:\n{}",
-        sidecar.log_tail()
-    );
-    assert!(
-        (Duration::from_millis(400)..Duration::from_millis(2500)).contains(&took),
-        "exited {took:?} after SIGTERM with a 500 ms grace"
-    );
-    assert!(sidecar.log().contains("grace of 500ms is over"), "{}", sidecar.log());
+    let log = sidecar.log();
     eprintln!("a hung shutdown with a 500 ms grace exited after {took:?}");
+    let status = status.ok_or_else(|| anyhow::anyhow!("still running {hang:?} after SIGTERM:\n{log}"))?;
+    // The sidecar sleeps the grace after it receives the signal, so no load
+    // can make this shorter.
+    assert!(
+        took >= Duration::from_millis(500),
+        "exited {took:?} after SIGTERM, before its 500 ms grace"
+    );
+    assert!(log.contains("grace of 500ms is over"), "{log}");
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(!log.contains("snapshot written to redis"), "{log}");
     let _ = redis.signal(Signal::SIGCONT);
     redis.kill()?;
 
     let dir = scratch("second");
     let (mut sidecar, mut redis) = stalled_replica(&dir, 60_000)?;
     sidecar.signal(Signal::SIGTERM)?;
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + hang;
     while !sidecar.log().contains("shutdown began") {
         anyhow::ensure!(Instant::now() < deadline, "no shutdown began:\n{}", sidecar.log_tail());
         std::thread::sleep(Duration::from_millis(5));
     }
     let second = Instant::now();
     sidecar.signal(Signal::SIGINT)?;
-    let status = sidecar.wait_exit(Duration::from_secs(5))?;
+    let status = sidecar.wait_exit(hang)?;
     let took = second.elapsed();
-    assert!(status.is_some(), "still running after a second signal");
-    // The stalled snapshot alone would hold it for Redis's 2 s timeout.
-    assert!(took < Duration::from_secs(1), "exited {took:?} after the second signal");
-    assert!(
-        sidecar.log().contains("SIGINT again: exiting at once"),
-        "{}",
-        sidecar.log()
-    );
+    let log = sidecar.log();
     eprintln!("a second signal ended the shutdown in {took:?}");
+    let status = status.ok_or_else(|| anyhow::anyhow!("still running {hang:?} after a second signal:\n{log}"))?;
+    // Ended by the second signal: not by the 60 s grace, and not by the
+    // shutdown finishing once the stalled snapshot write timed out.
+    assert!(log.contains("SIGINT again: exiting at once"), "{log}");
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(!log.contains("snapshot written to redis"), "{log}");
     let _ = redis.signal(Signal::SIGCONT);
     redis.kill()?;
     let _ = std::fs::remove_dir_all(scratch("grace"));

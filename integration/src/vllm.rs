@@ -24,6 +24,16 @@ pub const BLOCK_SIZE_TOKENS: u64 = 128;
 /// bind is tried again on another, this many times in all.
 const BIND_ATTEMPTS: usize = 3;
 
+/// The default `VllmOptions::ready_timeout`: twice the slowest start
+/// measured (132 s, the first after an install, at load 8) and over 5 times
+/// a warm start at load 5-6 (45 s). Starts sharing the cores get it per
+/// pair of them (`Cluster`).
+pub const READY_TIMEOUT: Duration = Duration::from_secs(240);
+
+/// How long one readiness or metrics GET may take: a loaded machine can
+/// hold a busy API server's answer for seconds; the poll tries again.
+const GET_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How to start one vLLM.
 #[derive(Debug, Clone)]
 pub struct VllmOptions {
@@ -46,9 +56,12 @@ pub struct VllmOptions {
     /// More environment, e.g. `VLLM_SERVER_DEV_MODE=1` for
     /// `/reset_prefix_cache`.
     pub extra_env: Vec<(String, String)>,
-    /// How long the start may take before it is a failure. Measured on 2
-    /// shared cores: 21-45 s warm, over 2 minutes on the first start after
-    /// an install while Python compiles the bytecode (docs/vllm.md).
+    /// How long the start may take before it is a failure: only a bound on
+    /// a hang (a start that fails exits, and is reported at once), so far
+    /// above the normal time. Measured on 2 shared cores: 21-45 s warm,
+    /// 132 s on the first start after an install while Python compiles the
+    /// bytecode at load 8 (docs/vllm.md); at load 8 everything may be about
+    /// 4 times slower than alone.
     pub ready_timeout: Duration,
 }
 
@@ -62,7 +75,7 @@ impl Default for VllmOptions {
             max_num_seqs: None,
             extra_args: Vec::new(),
             extra_env: Vec::new(),
-            ready_timeout: Duration::from_secs(90),
+            ready_timeout: READY_TIMEOUT,
         }
     }
 }
@@ -293,7 +306,7 @@ pub fn free_port() -> anyhow::Result<u16> {
 /// A plain HTTP/1.1 GET, for readiness polls from threads without a
 /// runtime: the status and the raw body (not de-chunked).
 pub fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
-    let timeout = Duration::from_secs(2);
+    let timeout = GET_TIMEOUT;
     let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;

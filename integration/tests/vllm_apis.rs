@@ -23,6 +23,17 @@ const TURNS: usize = 4;
 /// Tokens generated per call: vLLM on CPU can starve the machine's other
 /// work while it decodes.
 const MAX_TOKENS: u64 = 4;
+/// Bounds a wait for the engines' or the sidecar's counts to follow a
+/// reply: milliseconds normally, far more even at load 8. Only a hang
+/// reaches it.
+const DEADLINE: Duration = Duration::from_secs(60);
+/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
+/// budget a loaded machine can exceed, and a Pick that fails open is routed
+/// round robin, which would move a session off its engine. Here it only
+/// bounds a hang; no request may fail open (checked).
+const SIDECAR_TIMEOUT_MS: u64 = 5_000;
+/// The sidecar's count of workers it marked down.
+const DOWN_EVENTS: &str = "kvmesh_worker_events_total{event=\"down\"}";
 
 /// About 800 tokens of the tiny model's tokenizer: several full blocks.
 fn system_prompt(repo: &str) -> String {
@@ -159,6 +170,29 @@ fn prompt_and_cached(api: &str, usage: &Value) -> (u64, u64) {
     found.unwrap_or_else(|| panic!("{api}: no prompt or cached tokens in {usage}"))
 }
 
+/// The sidecar's flags: the cluster's default prefill guess, and scrapes of
+/// the engines' `/metrics` every 2 s. A scrape times out after its interval
+/// (at most 2 s) and two failed in a row mark a worker down: at the
+/// cluster's 200 ms a busy vLLM on a loaded machine was marked down and up
+/// again several times a minute, and sessions moved off it.
+fn sidecar_args() -> Vec<String> {
+    ["--prefill-tokens-per-ms", "100", "--scrape-interval-ms", "2000"]
+        .map(str::to_owned)
+        .to_vec()
+}
+
+/// Requests the filter sent on without the sidecar's answer: timed out or
+/// failed calls.
+async fn fail_opens(cluster: &Cluster) -> anyhow::Result<u64> {
+    let mut sum = 0;
+    for reason in ["timeout", "sidecar_error"] {
+        sum += cluster
+            .envoy_counter(&format!("wasmcustom.kvmesh.fail_open.{reason}"))
+            .await?;
+    }
+    Ok(sum)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_blocks() -> anyhow::Result<()> {
     let started = Instant::now();
@@ -169,6 +203,8 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
             max_model_len: 4096,
             ..VllmOptions::default()
         }),
+        plugin: json!({"sidecar_timeout_ms": SIDECAR_TIMEOUT_MS}),
+        sidecar_args: sidecar_args(),
         ..ClusterOptions::default()
     })
     .await?;
@@ -187,6 +223,20 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
         assert_eq!(label("enable_prefix_caching"), Some("True"), "{labels:?}");
     }
 
+    // Every engine is up in the sidecar's view before the first call, and
+    // none is marked down while the sessions run (checked per session): a
+    // session moves for no other reason than routing.
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let workers = cluster.sidecar_workers().await?;
+        if workers.len() == cluster.workers.len() && workers.iter().all(|w| w["healthy"] == true) {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "engines not all up: {workers:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let downs_before = cluster.sidecar_metric(DOWN_EVENTS).await?;
+
     let apis = [
         "/v1/chat/completions",
         "/v1/completions",
@@ -198,7 +248,7 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
     for api in apis {
         // What the sidecar is told, per API: the counters' growth over this
         // API's calls against the sums of what the engines returned.
-        cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
+        cluster.wait_for_no_in_flight(DEADLINE).await?;
         let told = || async {
             anyhow::Ok((
                 cluster.sidecar_metric("kvmesh_reported_prompt_tokens_total").await?,
@@ -229,7 +279,7 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
                 let before = cluster.engine_requests_finished().await?;
                 let reply = cluster.send(reqwest::Method::POST, api, &all, bytes).await?;
                 assert_eq!(reply.status, 200, "{api} stream={stream} turn {turn}: {}", reply.body);
-                let engine = cluster.engine_that_served(&before, Duration::from_secs(10)).await?;
+                let engine = cluster.engine_that_served(&before, DEADLINE).await?;
                 let usage = last_usage(api, &reply);
                 if turn == 1 {
                     eprintln!("{api} stream={stream} usage: {usage}");
@@ -242,6 +292,18 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
                 prompt_sum += prompt;
                 cached_sum += hit;
             }
+            // Every call was placed by the sidecar, none by round robin
+            // (which would move the session for a reason other than routing).
+            assert_eq!(
+                fail_opens(&cluster).await?,
+                0,
+                "{api} stream={stream}: requests failed open; engines {engines:?}"
+            );
+            assert_eq!(
+                cluster.sidecar_metric(DOWN_EVENTS).await?,
+                downs_before,
+                "{api} stream={stream}: an engine was marked down (a scrape failed twice); engines {engines:?}"
+            );
             assert!(
                 engines.iter().all(|e| *e == engines[0]),
                 "{api} stream={stream}: the session moved between engines {engines:?}"
@@ -265,7 +327,7 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
                 case.elapsed()
             );
         }
-        cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
+        cluster.wait_for_no_in_flight(DEADLINE).await?;
         let (now_prompt, now_cached) = told().await?;
         assert_eq!(
             (now_prompt - told_prompt, now_cached - told_cached),
@@ -276,7 +338,7 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
     eprintln!("sessions spread over engines {engines_used:?}");
 
     // One Outcome per request, with exactly the tokens the engines reported.
-    cluster.wait_for_no_in_flight(Duration::from_secs(10)).await?;
+    cluster.wait_for_no_in_flight(DEADLINE).await?;
     assert_eq!(
         cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}").await?,
         requests as f64
@@ -295,6 +357,7 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
         cluster.envoy_counter("wasmcustom.kvmesh.outcomes.with_usage").await?,
         requests
     );
+    assert_eq!(fail_opens(&cluster).await?, 0, "requests failed open");
     // The sidecar's engine watcher read each engine's capacity from
     // `vllm:cache_config_info`: 128 blocks of 128 tokens.
     let workers = cluster.sidecar_workers().await?;

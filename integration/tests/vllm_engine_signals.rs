@@ -20,6 +20,16 @@ use kvmesh_integration::{Cluster, ClusterOptions, Engine};
 use serde_json::{Value, json};
 
 const BLOCKS: u64 = 128;
+/// Bounds a wait for the sidecar or an engine to show what happened: far
+/// above the scrapes' 2 s (two failed ones mark a worker down) and the
+/// milliseconds a count takes to follow a reply, even at load 8. Only a
+/// hang reaches it.
+const DEADLINE: Duration = Duration::from_secs(60);
+/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
+/// budget a loaded machine can exceed, and a Pick that fails open is routed
+/// round robin, not by the watcher's view this test reads. Here it only
+/// bounds a hang; no request may fail open (checked).
+const SIDECAR_TIMEOUT_MS: u64 = 5_000;
 
 fn call(repo: &str, turn: usize) -> Value {
     let mut messages = vec![
@@ -30,6 +40,17 @@ fn call(repo: &str, turn: usize) -> Value {
         messages.push(json!({"role": "assistant", "content": format!("done with step {t}.")}));
     }
     json!({"model": SERVED_MODEL, "messages": messages, "max_tokens": 2})
+}
+
+/// The sidecar's flags: the cluster's default prefill guess, and scrapes of
+/// the engines' `/metrics` every 2 s. A scrape times out after its interval
+/// (at most 2 s) and two failed in a row mark a worker down: at the
+/// cluster's 200 ms a busy vLLM on a loaded machine was marked down and up
+/// again several times a minute, and sessions moved off it.
+fn sidecar_args() -> Vec<String> {
+    ["--prefill-tokens-per-ms", "100", "--scrape-interval-ms", "2000"]
+        .map(str::to_owned)
+        .to_vec()
 }
 
 async fn workers(cluster: &Cluster) -> anyhow::Result<BTreeMap<String, Value>> {
@@ -68,7 +89,18 @@ async fn send(cluster: &Cluster, repo: &str, turn: usize) -> anyhow::Result<Stri
         reply.status,
         reply.body
     );
-    let index = cluster.engine_that_served(&before, Duration::from_secs(20)).await?;
+    let index = cluster.engine_that_served(&before, DEADLINE).await?;
+    // Placed by the sidecar, not round robin: what it did is what the
+    // watcher's view made it do.
+    for reason in ["timeout", "sidecar_error"] {
+        let failed = cluster
+            .envoy_counter(&format!("wasmcustom.kvmesh.fail_open.{reason}"))
+            .await?;
+        anyhow::ensure!(
+            failed == 0,
+            "{repo} turn {turn}: {failed} requests failed open ({reason})"
+        );
+    }
     Ok(cluster.worker_names()[index].clone())
 }
 
@@ -80,6 +112,8 @@ async fn the_watcher_reads_real_engines_capacity_activity_death_and_restart() ->
             max_model_len: 4096,
             ..VllmOptions::default()
         }),
+        plugin: json!({"sidecar_timeout_ms": SIDECAR_TIMEOUT_MS}),
+        sidecar_args: sidecar_args(),
         ..ClusterOptions::default()
     })
     .await?;
@@ -97,8 +131,9 @@ async fn the_watcher_reads_real_engines_capacity_activity_death_and_restart() ->
         };
         let tokens = label("num_gpu_blocks").unwrap_or(0) * label("block_size").unwrap_or(0);
         assert_eq!(tokens, BLOCKS * BLOCK_SIZE_TOKENS);
-        wait_until(&cluster, "read the engine's capacity", Duration::from_secs(10), |w| {
-            w.get(name).is_some_and(|w| w["engine_capacity_tokens"] == tokens)
+        wait_until(&cluster, "read the engine's capacity", DEADLINE, |w| {
+            w.get(name)
+                .is_some_and(|w| w["engine_capacity_tokens"] == tokens && w["healthy"] == true)
         })
         .await?;
     }
@@ -109,7 +144,7 @@ async fn the_watcher_reads_real_engines_capacity_activity_death_and_restart() ->
     for turn in 0..4 {
         home = send(&cluster, "acme/signals", turn).await?;
     }
-    cluster.wait_for_no_in_flight(Duration::from_secs(20)).await?;
+    cluster.wait_for_no_in_flight(DEADLINE).await?;
     let seen = workers(&cluster).await?;
     let w = &seen[&home];
     let bytes_per_token = w["bytes_per_token"].as_f64().unwrap_or(0.0);
@@ -132,7 +167,7 @@ async fn the_watcher_reads_real_engines_capacity_activity_death_and_restart() ->
     cluster.kill_worker_at(&home)?;
     let moved_to = send(&cluster, "acme/signals", 4).await?;
     assert_ne!(moved_to, home);
-    wait_until(&cluster, "marked the dead engine down", Duration::from_secs(10), |w| {
+    wait_until(&cluster, "marked the dead engine down", DEADLINE, |w| {
         w.get(&home).is_some_and(|w| w["healthy"] == false)
     })
     .await?;
@@ -141,20 +176,17 @@ async fn the_watcher_reads_real_engines_capacity_activity_death_and_restart() ->
     // the capacity estimate starts over), and new sessions reach it again
     // (it is the emptiest worker).
     cluster.restart_worker(index)?;
-    wait_until(
-        &cluster,
-        "took the restarted engine back",
-        Duration::from_secs(15),
-        |w| {
-            w.get(&home)
-                .is_some_and(|w| w["healthy"] == true && w["cached_blocks"] == 0)
-        },
-    )
+    wait_until(&cluster, "took the restarted engine back", DEADLINE, |w| {
+        w.get(&home)
+            .is_some_and(|w| w["healthy"] == true && w["cached_blocks"] == 0)
+    })
     .await?;
     let restarts = cluster
         .sidecar_metric("kvmesh_worker_events_total{event=\"restart\"}")
         .await?;
     assert!(restarts >= 1.0, "the restart was not seen");
+    let downs = || cluster.sidecar_metric("kvmesh_worker_events_total{event=\"down\"}");
+    let downs_before = downs().await?;
     let mut reached = 0;
     for s in 0..6 {
         if send(&cluster, &format!("acme/after-restart-{s}"), 0).await? == home {
@@ -162,18 +194,19 @@ async fn the_watcher_reads_real_engines_capacity_activity_death_and_restart() ->
         }
     }
     eprintln!("{reached} of 6 new sessions reached the restarted engine");
-    assert!(reached > 0, "no new session reached the restarted, empty engine");
+    assert!(
+        reached > 0,
+        "no new session reached the restarted, empty engine ({} workers marked down meanwhile)",
+        downs().await? - downs_before
+    );
 
     // Gone again, and a new sidecar that never saw it up: not picked.
     cluster.kill_worker_at(&home)?;
     cluster.kill_sidecar()?;
     cluster.restart_sidecar()?;
-    wait_until(
-        &cluster,
-        "marked the absent engine down",
-        Duration::from_secs(10),
-        |w| w.get(&home).is_some_and(|w| w["healthy"] == false),
-    )
+    wait_until(&cluster, "marked the absent engine down", DEADLINE, |w| {
+        w.get(&home).is_some_and(|w| w["healthy"] == false)
+    })
     .await?;
     for s in 0..4 {
         let engine = send(&cluster, &format!("acme/absent-{s}"), 0).await?;

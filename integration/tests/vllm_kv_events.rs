@@ -14,6 +14,8 @@
 
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
+
 use kvmesh_integration::vllm::{SERVED_MODEL, VllmOptions};
 use kvmesh_integration::{Cluster, ClusterOptions, Engine};
 use serde_json::{Value, json};
@@ -24,6 +26,15 @@ const MAX_MODEL_LEN: u32 = 1024;
 const CAPACITY_TOKENS: f64 = BLOCKS as f64 * 128.0;
 const SESSIONS: usize = 12;
 const TURNS: usize = 2;
+/// Bounds a wait for the sidecar to see what an engine did: far above the
+/// milliseconds it takes, even at load 8. Only a hang reaches it.
+const DEADLINE: Duration = Duration::from_secs(60);
+/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
+/// budget a loaded machine can exceed, and a request that fails open goes
+/// round robin, maybe to another engine than the one the index placed its
+/// blocks on. Here it only bounds a hang; no request may fail open
+/// (checked).
+const SIDECAR_TIMEOUT_MS: u64 = 5_000;
 
 /// About 750 tokens of session `n`'s own text, growing per turn.
 fn prompt(n: usize, turn: usize) -> String {
@@ -57,6 +68,31 @@ async fn direct_completion(http: &reqwest::Client, worker: &str, text: &str) -> 
     Ok(())
 }
 
+/// Whether the engine's step for this reply must have stored a block, so
+/// published a batch of KV events: a full block of the prompt it did not
+/// hold (`floor((prompt - 1) / 128)`, as the last prompt token is always
+/// computed, against the cached blocks it reported).
+fn stored_a_block(reply: &kvmesh_integration::Reply) -> anyhow::Result<bool> {
+    let prompt = reply
+        .prompt_tokens()
+        .with_context(|| format!("no prompt tokens: {}", reply.body))?;
+    let cached = reply
+        .cached_tokens()
+        .with_context(|| format!("no cached tokens: {}", reply.body))?;
+    Ok(prompt.saturating_sub(1) / 128 > cached / 128)
+}
+
+/// The KV event batches the sidecar has read, over every worker.
+async fn batches(cluster: &Cluster, names: &[String]) -> anyhow::Result<f64> {
+    let mut sum = 0.0;
+    for name in names {
+        sum += cluster
+            .sidecar_metric(&format!("kvmesh_kv_event_batches_total{{worker=\"{name}\"}}"))
+            .await?;
+    }
+    Ok(sum)
+}
+
 /// Polls `/debug/workers` until `done` holds for worker `address`.
 async fn wait_for(
     cluster: &Cluster,
@@ -64,7 +100,7 @@ async fn wait_for(
     what: &str,
     done: impl Fn(&Value) -> bool,
 ) -> anyhow::Result<Value> {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + DEADLINE;
     loop {
         let workers = cluster.sidecar_workers().await?;
         let view = worker_view(&workers, address).clone();
@@ -92,6 +128,7 @@ async fn real_vllm_kv_events_track_evict_wipe_and_resync_the_index() -> anyhow::
         // No scrapes: neither the engine's capacity nor its restarts reach
         // the sidecar except through the events.
         sidecar_args: vec!["--scrape-interval-ms".into(), "0".into()],
+        plugin: json!({"sidecar_timeout_ms": SIDECAR_TIMEOUT_MS}),
         ..ClusterOptions::default()
     })
     .await?;
@@ -102,12 +139,15 @@ async fn real_vllm_kv_events_track_evict_wipe_and_resync_the_index() -> anyhow::
     let names = cluster.worker_names();
     let http = reqwest::Client::builder().no_proxy().build()?;
 
-    // (c) Under pressure: sessions through Envoy, each turn compared.
+    // (c) Under pressure: sessions through Envoy, each turn compared once
+    // the sidecar has read the events of the engine's step for it.
     let mut deviations: Vec<f64> = Vec::new();
+    let mut awaited = 0;
     for turn in 0..TURNS {
         for n in 0..SESSIONS {
             let session = format!("kv-session-{n}");
             let body = json!({"model": SERVED_MODEL, "prompt": prompt(n, turn), "max_tokens": 2});
+            let batches_before = batches(&cluster, &names).await?;
             let reply = cluster
                 .send(
                     reqwest::Method::POST,
@@ -117,8 +157,25 @@ async fn real_vllm_kv_events_track_evict_wipe_and_resync_the_index() -> anyhow::
                 )
                 .await?;
             assert_eq!(reply.status, 200, "{}", reply.body);
-            // The step's events follow the reply by a moment.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // vLLM publishes a step's events before that step's outputs, so
+            // before the reply; they reach the sidecar a moment later. When
+            // the step stored a block, its batch is waited for (the Pick
+            // placed the blocks at once: sampled before it, the index would
+            // be a prompt ahead). A step that stored none may still have
+            // removed a block or two, which the tolerance covers.
+            if stored_a_block(&reply)? {
+                awaited += 1;
+                let deadline = Instant::now() + DEADLINE;
+                while batches(&cluster, &names).await? <= batches_before {
+                    anyhow::ensure!(
+                        Instant::now() < deadline,
+                        "session {n} turn {turn}: the engine stored blocks, and no KV event batch reached the \
+                         sidecar within {DEADLINE:?}: {}",
+                        reply.body
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
             let workers = cluster.sidecar_workers().await?;
             for name in &names {
                 let view = worker_view(&workers, name);
@@ -153,6 +210,19 @@ async fn real_vllm_kv_events_track_evict_wipe_and_resync_the_index() -> anyhow::
         !deviations.is_empty(),
         "no worker reported resident blocks: {workers:?}"
     );
+    eprintln!(
+        "{awaited} of {} replies stored a block, and were sampled after its KV event batch",
+        SESSIONS * TURNS
+    );
+    for reason in ["timeout", "sidecar_error"] {
+        assert_eq!(
+            cluster
+                .envoy_counter(&format!("wasmcustom.kvmesh.fail_open.{reason}"))
+                .await?,
+            0,
+            "a request failed open ({reason}): not routed where the index placed it"
+        );
+    }
     deviations.sort_by(f64::total_cmp);
     let mean = deviations.iter().sum::<f64>() / deviations.len() as f64;
     let worst = deviations.last().copied().unwrap_or(0.0);
@@ -199,16 +269,22 @@ async fn real_vllm_kv_events_track_evict_wipe_and_resync_the_index() -> anyhow::
     )
     .await?;
     let after = wait_for(&cluster, &w0, "the wipe", |v| v["cached_blocks"].as_u64() == Some(0)).await?;
+    // The sidecar logs the wipe just after applying it: poll for the line.
+    let deadline = Instant::now() + DEADLINE;
+    while !cluster.sidecar.log().contains("engine cleared its cache") {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the wipe did not come from the KV events:\n{}",
+            cluster.sidecar.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     eprintln!(
         "reset: index {} -> {} blocks, engine resident {} -> {}",
         before["cached_blocks"],
         after["cached_blocks"],
         before["engine_resident_blocks"],
         after["engine_resident_blocks"]
-    );
-    assert!(
-        cluster.sidecar.log().contains("engine cleared its cache"),
-        "the wipe did not come from the KV events"
     );
 
     // (b) A restarted engine publishes from sequence 0 again: a gap,
@@ -229,11 +305,11 @@ async fn real_vllm_kv_events_track_evict_wipe_and_resync_the_index() -> anyhow::
     )
     .await?;
     let gap_series = format!("kvmesh_kv_event_gaps_total{{worker=\"{w1}\"}}");
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + DEADLINE;
     while cluster.sidecar_metric(&gap_series).await? < 1.0 {
         assert!(
             Instant::now() < deadline,
-            "the restart's sequence was not seen as a gap"
+            "the restart's sequence was not seen as a gap within {DEADLINE:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

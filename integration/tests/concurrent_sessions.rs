@@ -17,13 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
-
-/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
-/// budget a loaded machine can exceed, and a Pick that fails open is not
-/// routed, which this test needs every call to be (`fail_open.rs` tests the
-/// budget). Here it only bounds a hang.
-const SIDECAR_TIMEOUT_MS: u64 = 5_000;
+use kvmesh_integration::{AgentSession, Cluster, ClusterOptions, PATIENT_SIDECAR_TIMEOUT_MS};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_concurrent_sessions_spread_and_reuse_their_cache() -> anyhow::Result<()> {
@@ -31,7 +25,7 @@ async fn sixteen_concurrent_sessions_spread_and_reuse_their_cache() -> anyhow::R
         Cluster::start(ClusterOptions {
             // Some engine time, so requests overlap on every Envoy worker.
             sim_args: vec!["--time-scale".into(), "0.2".into()],
-            plugin: serde_json::json!({ "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS }),
+            plugin: serde_json::json!({ "sidecar_timeout_ms": PATIENT_SIDECAR_TIMEOUT_MS }),
             ..ClusterOptions::default()
         })
         .await?,

@@ -7,13 +7,7 @@
 //! it does for every call between a death and its detection). That Envoy's
 //! retry moved each call is read from Envoy's own retry counter.
 
-use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
-
-/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
-/// budget a loaded machine can exceed, and a Pick that fails open is not
-/// routed, which this test needs every call to be (`fail_open.rs` tests the
-/// budget). Here it only bounds a hang.
-const SIDECAR_TIMEOUT_MS: u64 = 5_000;
+use kvmesh_integration::{AgentSession, Cluster, ClusterOptions, PATIENT_SIDECAR_TIMEOUT_MS};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_picked_onto_a_dead_worker_is_retried_elsewhere() -> anyhow::Result<()> {
@@ -26,7 +20,7 @@ async fn a_call_picked_onto_a_dead_worker_is_retried_elsewhere() -> anyhow::Resu
             "--scrape-interval-ms".into(),
             "0".into(),
         ],
-        plugin: serde_json::json!({ "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS }),
+        plugin: serde_json::json!({ "sidecar_timeout_ms": PATIENT_SIDECAR_TIMEOUT_MS }),
         ..ClusterOptions::default()
     })
     .await?;

@@ -5,18 +5,12 @@
 
 use std::time::{Duration, Instant};
 
-use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
+use kvmesh_integration::{AgentSession, Cluster, ClusterOptions, PATIENT_SIDECAR_TIMEOUT_MS};
 use serde_json::Value;
 
 /// Deadline of a poll for something the watcher must do: only bounds a
 /// hang (it scrapes every 200 ms; the times taken are printed).
 const HANG: Duration = Duration::from_secs(60);
-
-/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
-/// budget a loaded machine can exceed, and a Pick that fails open is not
-/// routed, which this test needs every call to be (`fail_open.rs` tests the
-/// budget). Here it only bounds a hang.
-const SIDECAR_TIMEOUT_MS: u64 = 5_000;
 
 async fn worker_view(cluster: &Cluster, address: &str) -> anyhow::Result<Value> {
     let workers = cluster.sidecar_workers().await?;
@@ -75,7 +69,7 @@ async fn the_watcher_reads_capacity_restarts_and_health() -> anyhow::Result<()> 
             "--metrics-names".into(),
             "sglang".into(),
         ],
-        plugin: serde_json::json!({ "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS }),
+        plugin: serde_json::json!({ "sidecar_timeout_ms": PATIENT_SIDECAR_TIMEOUT_MS }),
         ..ClusterOptions::default()
     })
     .await?;
@@ -135,7 +129,7 @@ async fn the_watcher_reads_capacity_restarts_and_health() -> anyhow::Result<()> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_capacity_is_converted_at_the_filters_block_size() -> anyhow::Result<()> {
     let cluster = Cluster::start(ClusterOptions {
-        plugin: serde_json::json!({"block_bytes": 512, "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS}),
+        plugin: serde_json::json!({"block_bytes": 512, "sidecar_timeout_ms": PATIENT_SIDECAR_TIMEOUT_MS}),
         ..ClusterOptions::default()
     })
     .await?;
@@ -170,7 +164,7 @@ async fn engine_capacity_is_converted_at_the_filters_block_size() -> anyhow::Res
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_is_not_up_yet_is_not_picked() -> anyhow::Result<()> {
     let mut cluster = Cluster::start(ClusterOptions {
-        plugin: serde_json::json!({ "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS }),
+        plugin: serde_json::json!({ "sidecar_timeout_ms": PATIENT_SIDECAR_TIMEOUT_MS }),
         ..ClusterOptions::default()
     })
     .await?;

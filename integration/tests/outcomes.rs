@@ -10,16 +10,10 @@
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
+use kvmesh_integration::{AgentSession, Cluster, ClusterOptions, PATIENT_SIDECAR_TIMEOUT_MS};
 
 /// Deadline of a poll for the in-flight counts: only bounds a hang.
 const HANG: Duration = Duration::from_secs(60);
-
-/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
-/// budget a loaded machine can exceed, and a Pick that fails open is not
-/// routed, which this test needs every call to be (`fail_open.rs` tests the
-/// budget). Here it only bounds a hang.
-const SIDECAR_TIMEOUT_MS: u64 = 5_000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aborted_and_failed_requests_release_their_in_flight_slot() -> anyhow::Result<()> {
@@ -27,7 +21,7 @@ async fn aborted_and_failed_requests_release_their_in_flight_slot() -> anyhow::R
         // Real-time decode: a 2,000-token answer streams for seconds (6.7 GB
         // of weights at 3.35 TB/s: 2 ms a step).
         sim_args: vec!["--time-scale".into(), "1".into(), "--weight-gb".into(), "6.7".into()],
-        plugin: serde_json::json!({ "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS }),
+        plugin: serde_json::json!({ "sidecar_timeout_ms": PATIENT_SIDECAR_TIMEOUT_MS }),
         ..ClusterOptions::default()
     })
     .await?;

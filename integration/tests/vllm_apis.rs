@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh_integration::prometheus::{self, Prometheus};
 use kvmesh_integration::vllm::{self, BLOCK_SIZE_TOKENS, SERVED_MODEL, VllmOptions};
-use kvmesh_integration::{Cluster, ClusterOptions, Engine, Reply};
+use kvmesh_integration::{Cluster, ClusterOptions, Engine, PATIENT_SIDECAR_TIMEOUT_MS, Reply};
 use serde_json::{Value, json};
 
 const TURNS: usize = 4;
@@ -27,11 +27,6 @@ const MAX_TOKENS: u64 = 4;
 /// reply: milliseconds normally, far more even at load 8. Only a hang
 /// reaches it.
 const DEADLINE: Duration = Duration::from_secs(60);
-/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
-/// budget a loaded machine can exceed, and a Pick that fails open is routed
-/// round robin, which would move a session off its engine. Here it only
-/// bounds a hang; no request may fail open (checked).
-const SIDECAR_TIMEOUT_MS: u64 = 5_000;
 /// The sidecar's count of workers it marked down.
 const DOWN_EVENTS: &str = "kvmesh_worker_events_total{event=\"down\"}";
 
@@ -203,7 +198,7 @@ async fn sessions_on_real_vllm_stay_on_one_engine_which_reports_its_cached_block
             max_model_len: 4096,
             ..VllmOptions::default()
         }),
-        plugin: json!({"sidecar_timeout_ms": SIDECAR_TIMEOUT_MS}),
+        plugin: json!({"sidecar_timeout_ms": PATIENT_SIDECAR_TIMEOUT_MS}),
         sidecar_args: sidecar_args(),
         ..ClusterOptions::default()
     })

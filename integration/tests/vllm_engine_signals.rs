@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvmesh_integration::vllm::{self, BLOCK_SIZE_TOKENS, SERVED_MODEL, VllmOptions};
-use kvmesh_integration::{Cluster, ClusterOptions, Engine};
+use kvmesh_integration::{Cluster, ClusterOptions, Engine, PATIENT_SIDECAR_TIMEOUT_MS};
 use serde_json::{Value, json};
 
 const BLOCKS: u64 = 128;
@@ -25,11 +25,6 @@ const BLOCKS: u64 = 128;
 /// milliseconds a count takes to follow a reply, even at load 8. Only a
 /// hang reaches it.
 const DEADLINE: Duration = Duration::from_secs(60);
-/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
-/// budget a loaded machine can exceed, and a Pick that fails open is routed
-/// round robin, not by the watcher's view this test reads. Here it only
-/// bounds a hang; no request may fail open (checked).
-const SIDECAR_TIMEOUT_MS: u64 = 5_000;
 
 fn call(repo: &str, turn: usize) -> Value {
     let mut messages = vec![
@@ -112,7 +107,7 @@ async fn the_watcher_reads_real_engines_capacity_activity_death_and_restart() ->
             max_model_len: 4096,
             ..VllmOptions::default()
         }),
-        plugin: json!({"sidecar_timeout_ms": SIDECAR_TIMEOUT_MS}),
+        plugin: json!({"sidecar_timeout_ms": PATIENT_SIDECAR_TIMEOUT_MS}),
         sidecar_args: sidecar_args(),
         ..ClusterOptions::default()
     })

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 
 use kvmesh_integration::vllm::{SERVED_MODEL, VllmOptions};
-use kvmesh_integration::{Cluster, ClusterOptions, Engine};
+use kvmesh_integration::{Cluster, ClusterOptions, Engine, PATIENT_SIDECAR_TIMEOUT_MS};
 use serde_json::{Value, json};
 
 /// The engines' capacity in 128-token blocks, and the longest prompt.
@@ -29,12 +29,6 @@ const TURNS: usize = 2;
 /// Bounds a wait for the sidecar to see what an engine did: far above the
 /// milliseconds it takes, even at load 8. Only a hang reaches it.
 const DEADLINE: Duration = Duration::from_secs(60);
-/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
-/// budget a loaded machine can exceed, and a request that fails open goes
-/// round robin, maybe to another engine than the one the index placed its
-/// blocks on. Here it only bounds a hang; no request may fail open
-/// (checked).
-const SIDECAR_TIMEOUT_MS: u64 = 5_000;
 
 /// About 750 tokens of session `n`'s own text, growing per turn.
 fn prompt(n: usize, turn: usize) -> String {
@@ -128,7 +122,7 @@ async fn real_vllm_kv_events_track_evict_wipe_and_resync_the_index() -> anyhow::
         // No scrapes: neither the engine's capacity nor its restarts reach
         // the sidecar except through the events.
         sidecar_args: vec!["--scrape-interval-ms".into(), "0".into()],
-        plugin: json!({"sidecar_timeout_ms": SIDECAR_TIMEOUT_MS}),
+        plugin: json!({"sidecar_timeout_ms": PATIENT_SIDECAR_TIMEOUT_MS}),
         ..ClusterOptions::default()
     })
     .await?;

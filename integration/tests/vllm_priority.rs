@@ -22,7 +22,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvmesh_integration::vllm::{self, SERVED_MODEL, VllmOptions};
-use kvmesh_integration::{Cluster, ClusterOptions, Engine};
+use kvmesh_integration::{Cluster, ClusterOptions, Engine, PATIENT_SIDECAR_TIMEOUT_MS};
 use serde_json::{Value, json};
 
 /// Tokens each queued request (and the last one) decodes: one such decode
@@ -42,10 +42,6 @@ const QUEUED: usize = 4;
 /// Bounds a wait for the engine to count a request: far above the
 /// milliseconds it takes, even at load 8. Only a hang reaches it.
 const ENGINE_DEADLINE: Duration = Duration::from_secs(120);
-/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
-/// budget, which a loaded machine can exceed; this test is about the order,
-/// so it only bounds a hang.
-const SIDECAR_TIMEOUT_MS: u64 = 5_000;
 
 fn body(n: usize, tokens: u64) -> Vec<u8> {
     serde_json::to_vec(&json!({
@@ -250,7 +246,7 @@ async fn a_higher_priority_request_overtakes_the_queued_ones_on_real_vllm() -> a
         // The sidecar's answer may wait on a loaded machine: a Pick that
         // timed out would fail open (still rewritten, but not this test's
         // path); none may (checked below).
-        plugin: json!({"priority_field": {"engine": "vllm"}, "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS}),
+        plugin: json!({"priority_field": {"engine": "vllm"}, "sidecar_timeout_ms": PATIENT_SIDECAR_TIMEOUT_MS}),
         sidecar_args: sidecar_args(),
         ..ClusterOptions::default()
     })

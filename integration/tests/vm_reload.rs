@@ -12,22 +12,16 @@
 use std::time::{Duration, Instant};
 
 use kvmesh_integration::paths;
-use kvmesh_integration::{AgentSession, Cluster, ClusterOptions};
+use kvmesh_integration::{AgentSession, Cluster, ClusterOptions, PATIENT_SIDECAR_TIMEOUT_MS};
 
 /// Deadline of a poll: only bounds a hang.
 const HANG: Duration = Duration::from_secs(60);
-
-/// The filter's wait for the sidecar's Pick: the shipped 50 ms is a latency
-/// budget a loaded machine can exceed, and a Pick that fails open is not
-/// routed, which this test needs every call to be (`fail_open.rs` tests the
-/// budget). Here it only bounds a hang.
-const SIDECAR_TIMEOUT_MS: u64 = 5_000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_vm_is_rebuilt_counted_and_routes_again() -> anyhow::Result<()> {
     let cluster = Cluster::start(ClusterOptions {
         filter_wasm: Some(paths::crash_test_wasm()?),
-        plugin: serde_json::json!({ "sidecar_timeout_ms": SIDECAR_TIMEOUT_MS }),
+        plugin: serde_json::json!({ "sidecar_timeout_ms": PATIENT_SIDECAR_TIMEOUT_MS }),
         ..ClusterOptions::default()
     })
     .await?;

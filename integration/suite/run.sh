@@ -27,8 +27,8 @@ awk -v status="$status" -v logfile="$log" '
     }
     /^ +Running / {
         flush()
-        # "Running tests/x.rs (target/debug/deps/x-<hash>)": the binary's
-        # name (its crate, for unit tests) and the source it runs.
+        # "Running tests/x.rs (target/debug/deps/x-<hash>)": the name of the
+        # binary (its crate, for unit tests) and the source it runs.
         path = $0; sub(/^.*\(/, "", path); sub(/\).*$/, "", path)
         sub(/^.*\//, "", path); sub(/-[0-9a-f]+$/, "", path)
         binary = path " (" $(NF - 1) ")"; has_result = 0

@@ -44,7 +44,7 @@ setup-bench-clients:
     source integration/bench/lib.sh && install_aiperf .tools/aiperf && install_inference_perf .tools/inference-perf
 
 # Install the four real agent harnesses (Claude Code, Codex, OpenCode, OpenClaw) and Node 24
-# at pinned versions into .tools/harnesses (docs/harnesses.md).
+# at pinned versions into .tools/harnesses (docs/harnesses/README.md).
 setup-harnesses:
     integration/harnesses/setup.sh
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the four real agent harnesses (docs/harnesses.md) at pinned
+# Installs the four real agent harnesses (docs/harnesses/README.md) at pinned
 # versions into .tools/harnesses with npm, so no test fetches anything at
 # run time. Idempotent: a stamp file holds the pinned versions, and a run
 # with it current returns at once.

@@ -87,6 +87,11 @@ async fn batches(cluster: &Cluster, names: &[String]) -> anyhow::Result<f64> {
     Ok(sum)
 }
 
+/// Outcomes the sidecar has applied for a known pick.
+async fn reports(cluster: &Cluster) -> anyhow::Result<f64> {
+    cluster.sidecar_metric("kvmesh_reports_total{known=\"true\"}").await
+}
+
 /// Polls `/debug/workers` until `done` holds for worker `address`.
 async fn wait_for(
     cluster: &Cluster,
@@ -142,6 +147,7 @@ async fn real_vllm_kv_events_track_evict_wipe_and_resync_the_index() -> anyhow::
             let session = format!("kv-session-{n}");
             let body = json!({"model": SERVED_MODEL, "prompt": prompt(n, turn), "max_tokens": 2});
             let batches_before = batches(&cluster, &names).await?;
+            let reports_before = reports(&cluster).await?;
             let reply = cluster
                 .send(
                     reqwest::Method::POST,
@@ -169,6 +175,18 @@ async fn real_vllm_kv_events_track_evict_wipe_and_resync_the_index() -> anyhow::
                     );
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
+            }
+            // The call's Outcome teaches the sidecar the engine's bytes per
+            // token, which turns index blocks into tokens: it follows the
+            // reply, and on a loaded machine a sample taken before it would
+            // compare tokens counted at the old rate.
+            let deadline = Instant::now() + DEADLINE;
+            while reports(&cluster).await? <= reports_before {
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "session {n} turn {turn}: its Outcome never reached the sidecar within {DEADLINE:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
             let workers = cluster.sidecar_workers().await?;
             for name in &names {

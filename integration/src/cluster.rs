@@ -605,6 +605,16 @@ impl Cluster {
             .context("stat value")
     }
 
+    /// The filter's fail-opens on the way to the sidecar: (sidecar errors,
+    /// timeouts). A test of where calls go asserts (0, 0): a call that
+    /// failed open went round robin.
+    pub async fn fail_opens(&self) -> anyhow::Result<(u64, u64)> {
+        Ok((
+            self.envoy_counter("wasmcustom.kvmesh.fail_open.sidecar_error").await?,
+            self.envoy_counter("wasmcustom.kvmesh.fail_open.timeout").await?,
+        ))
+    }
+
     /// Bytes Envoy has read from the clients of the kvmesh listener
     /// (`http.agents.downstream_cx_rx_bytes_total`), counted at each read.
     pub async fn envoy_bytes_read(&self) -> anyhow::Result<u64> {

@@ -48,16 +48,6 @@ fn min(replies: &[Reply]) -> Duration {
     replies.iter().map(|r| r.latency).min().unwrap_or_default()
 }
 
-/// The filter's fail-open counters: (sidecar errors, timeouts).
-async fn fail_opens(cluster: &Cluster) -> anyhow::Result<(u64, u64)> {
-    Ok((
-        cluster
-            .envoy_counter("wasmcustom.kvmesh.fail_open.sidecar_error")
-            .await?,
-        cluster.envoy_counter("wasmcustom.kvmesh.fail_open.timeout").await?,
-    ))
-}
-
 /// Sends calls until one is routed by the sidecar again (the filter reopens
 /// its stream with a backoff of up to a second); the deadline only bounds a
 /// hang.
@@ -90,7 +80,7 @@ async fn requests_succeed_when_the_sidecar_is_killed_or_stalled() -> anyhow::Res
         healthy.iter().all(|r| r.saw_destination.is_some()),
         "healthy sidecar did not route"
     );
-    assert_eq!(fail_opens(&cluster).await?, (0, 0), "a healthy sidecar failed open");
+    assert_eq!(cluster.fail_opens().await?, (0, 0), "a healthy sidecar failed open");
     let baseline = median(&healthy);
 
     // Killed: the connection is refused, the filter continues at once.
@@ -98,7 +88,7 @@ async fn requests_succeed_when_the_sidecar_is_killed_or_stalled() -> anyhow::Res
     let killed = run_calls(&cluster, "killed").await?;
     assert!(killed.iter().all(|r| r.saw_destination.is_none()));
     assert_eq!(
-        fail_opens(&cluster).await?,
+        cluster.fail_opens().await?,
         (CALLS as u64, 0),
         "killed sidecar: every call fails open on the refused callout, none waits for its deadline"
     );
@@ -111,7 +101,7 @@ async fn requests_succeed_when_the_sidecar_is_killed_or_stalled() -> anyhow::Res
     // Back: routing resumes on the same address with no Envoy change.
     cluster.restart_sidecar()?;
     until_routed(&cluster, "restart").await?;
-    let before_stall = fail_opens(&cluster).await?;
+    let before_stall = cluster.fail_opens().await?;
 
     // Stalled: connections open but nothing answers until the timeout.
     cluster.sidecar.signal(Signal::SIGSTOP)?;
@@ -119,7 +109,7 @@ async fn requests_succeed_when_the_sidecar_is_killed_or_stalled() -> anyhow::Res
     cluster.sidecar.signal(Signal::SIGCONT)?;
     let stalled = stalled?;
     assert!(stalled.iter().all(|r| r.saw_destination.is_none()));
-    let after_stall = fail_opens(&cluster).await?;
+    let after_stall = cluster.fail_opens().await?;
     assert_eq!(
         (after_stall.0 - before_stall.0, after_stall.1 - before_stall.1),
         (0, CALLS as u64),

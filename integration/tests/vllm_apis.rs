@@ -179,13 +179,8 @@ fn sidecar_args() -> Vec<String> {
 /// Requests the filter sent on without the sidecar's answer: timed out or
 /// failed calls.
 async fn fail_opens(cluster: &Cluster) -> anyhow::Result<u64> {
-    let mut sum = 0;
-    for reason in ["timeout", "sidecar_error"] {
-        sum += cluster
-            .envoy_counter(&format!("wasmcustom.kvmesh.fail_open.{reason}"))
-            .await?;
-    }
-    Ok(sum)
+    let (errors, timeouts) = cluster.fail_opens().await?;
+    Ok(errors + timeouts)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -87,15 +87,11 @@ async fn send(cluster: &Cluster, repo: &str, turn: usize) -> anyhow::Result<Stri
     let index = cluster.engine_that_served(&before, DEADLINE).await?;
     // Placed by the sidecar, not round robin: what it did is what the
     // watcher's view made it do.
-    for reason in ["timeout", "sidecar_error"] {
-        let failed = cluster
-            .envoy_counter(&format!("wasmcustom.kvmesh.fail_open.{reason}"))
-            .await?;
-        anyhow::ensure!(
-            failed == 0,
-            "{repo} turn {turn}: {failed} requests failed open ({reason})"
-        );
-    }
+    let (errors, timeouts) = cluster.fail_opens().await?;
+    anyhow::ensure!(
+        (errors, timeouts) == (0, 0),
+        "{repo} turn {turn}: requests failed open ({errors} sidecar errors, {timeouts} timeouts)"
+    );
     Ok(cluster.worker_names()[index].clone())
 }
 

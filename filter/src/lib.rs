@@ -305,6 +305,7 @@ impl RequestFilter {
             api,
             model,
             identity,
+            lane,
             hints,
             hashes,
             sections,
@@ -332,6 +333,8 @@ impl RequestFilter {
             api: api.name().to_owned(),
             request_id: 0,
             harness: identity.harness.name().to_owned(),
+            lane: lane.name().to_owned(),
+            trace_id: identity.trace_id,
             sections: sections.iter().map(section_to_wire).collect(),
         }
     }

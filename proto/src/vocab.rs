@@ -1,7 +1,7 @@
 //! The one place where kvmesh's shared vocabulary (`kvmesh-vocab`) meets its
 //! wire form: every crate that sends or reads a Pick converts through these.
 
-use kvmesh_vocab::{Harness, SectionKind};
+use kvmesh_vocab::{Harness, Lane, SectionKind};
 
 use crate::v1;
 
@@ -46,5 +46,11 @@ impl v1::PickRequest {
     /// other value is `Other`).
     pub fn harness(&self) -> Harness {
         Harness::from_name(&self.harness)
+    }
+
+    /// The lane of its session the request is (`lane` travels as its name;
+    /// empty or any other value is `Main`).
+    pub fn lane(&self) -> Lane {
+        Lane::from_name(&self.lane)
     }
 }

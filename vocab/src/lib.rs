@@ -6,6 +6,7 @@
 //! - [`SectionKind`]: which part of a prompt a section of the canonical
 //!   stream holds (where a session's prefix breaks);
 //! - [`Harness`]: the agent harness that sent a request (a metric label);
+//! - [`Lane`]: which lane of its session a request is (main, side, compaction);
 //! - [`DEFAULT_BLOCK_BYTES`]: the filter's default prefix block size;
 //! - [`limits`]: the bounds on every field that crosses the wire;
 //! - [`FILTER_TIME_PHASES`]: the counters of the filter's measurement build.
@@ -111,6 +112,47 @@ impl Harness {
     }
 }
 
+/// Which lane of its session a request belongs to. A harness's side calls
+/// (a title, a summary, a call on its small model) share the session's id
+/// but not its prompt: they are placed on their own merits and never
+/// counted as the session's prefix break or move. A compaction call ends a
+/// prefix epoch: the call after it starts a new prefix without a break
+/// being blamed. On the wire it travels as its [`Lane::name`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub enum Lane {
+    /// The conversation itself (and a subagent's own conversation).
+    #[default]
+    Main,
+    /// A call beside the conversation: a title, a summary, a small model.
+    Side,
+    /// A call that compacts the conversation into a summary; the next main
+    /// call rebuilds the history.
+    Compaction,
+}
+
+impl Lane {
+    /// Every lane; arrays indexed by `lane as usize` follow it.
+    pub const ALL: [Self; 3] = [Self::Main, Self::Side, Self::Compaction];
+
+    /// Stable lowercase name, for the wire and for metric labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Main => "main",
+            Self::Side => "side",
+            Self::Compaction => "compaction",
+        }
+    }
+
+    /// The lane of a name from [`Lane::name`] (any case, trimmed); anything
+    /// else (an older filter sends none) is `Main`.
+    pub fn from_name(name: &str) -> Self {
+        Self::ALL
+            .into_iter()
+            .find(|l| l.name().eq_ignore_ascii_case(name.trim()))
+            .unwrap_or(Self::Main)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,6 +165,17 @@ mod tests {
         }
         assert_eq!(Harness::from_name(" Claude_Code "), Harness::ClaudeCode);
         assert_eq!(Harness::from_name("cursor"), Harness::Other);
+    }
+
+    #[test]
+    fn every_lane_round_trips_through_its_name() {
+        for lane in Lane::ALL {
+            assert_eq!(Lane::from_name(lane.name()), lane);
+            assert_eq!(Lane::ALL[lane as usize], lane);
+        }
+        assert_eq!(Lane::from_name(" Side "), Lane::Side);
+        assert_eq!(Lane::from_name(""), Lane::Main);
+        assert_eq!(Lane::from_name("title"), Lane::Main);
     }
 
     #[test]

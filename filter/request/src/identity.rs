@@ -93,6 +93,10 @@ pub struct Identity {
     /// `x-dynamo-session-final: true`: the session ends with this request.
     pub session_final: bool,
     pub harness: Harness,
+    /// The trace id of the W3C `traceparent` (32 lowercase hex digits),
+    /// empty when absent or malformed. OpenClaw's subagent calls carry the
+    /// trace id of the parent turn that spawned them.
+    pub trace_id: String,
 }
 
 /// Scheduling hints of one request.
@@ -188,10 +192,29 @@ pub fn identify(headers: &impl Headers, envelope: &Envelope<'_>, config: &Filter
         session_final: headers
             .get("x-dynamo-session-final")
             .is_some_and(|v| v.trim().eq_ignore_ascii_case("true")),
+        trace_id: trace_id(headers),
         session_id,
         agent_id,
         parent_id,
     }
+}
+
+/// The trace id of a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`),
+/// lowercase; empty when the header is absent, malformed or all zeros (an
+/// invalid trace id by the spec).
+fn trace_id(headers: &impl Headers) -> String {
+    let Some(value) = headers.bytes("traceparent") else {
+        return String::new();
+    };
+    let mut parts = value.trim_ascii().split(|b| *b == b'-');
+    let (Some(version), Some(trace), Some(span)) = (parts.next(), parts.next(), parts.next()) else {
+        return String::new();
+    };
+    let hex = |part: &[u8], len: usize| part.len() == len && part.iter().all(u8::is_ascii_hexdigit);
+    if !hex(version, 2) || !hex(trace, 32) || !hex(span, 16) || trace.iter().all(|b| *b == b'0') {
+        return String::new();
+    }
+    trace.iter().map(|b| char::from(b.to_ascii_lowercase())).collect()
 }
 
 /// Reads the scheduling hints of a request of `identity` (its role picks

@@ -12,6 +12,7 @@ mod chunked;
 mod config;
 mod hashing;
 mod identity;
+mod lane;
 mod priority;
 mod retention;
 mod scan;
@@ -24,7 +25,7 @@ pub use hashing::{BlockHash, BlockHashes, ChainHasher, block_hashes, salt};
 pub use identity::{Headers, Hints, Identity, bounded_id, detect_harness, hints, identify};
 use kvmesh_vocab::limits::{MAX_ID_BYTES, MAX_SECTIONS};
 /// Shared with the sidecar and the simulator (defined in `kvmesh-vocab`).
-pub use kvmesh_vocab::{Harness, SectionKind};
+pub use kvmesh_vocab::{Harness, Lane, SectionKind};
 pub use priority::{BodyEdit, Engine, PriorityField, Role, RoleClasses, engine_priority_json};
 pub use retention::{EPHEMERAL_DEFAULT_S, parse_ttl_s};
 pub use scan::ScanError;
@@ -36,6 +37,8 @@ pub struct Understood {
     pub api: Api,
     pub model: String,
     pub identity: Identity,
+    /// The lane of its session the request is (a side call, a compaction).
+    pub lane: Lane,
     pub hints: Hints,
     pub hashes: BlockHashes,
     /// The parts of the canonical stream (tools, system, messages), for the
@@ -132,9 +135,11 @@ fn understand_envelope(
     // The first sections are where a prefix breaks; a request with more
     // parts than the bound reports the earliest ones.
     canonical.sections.truncate(MAX_SECTIONS);
+    let lane = lane::classify(headers, envelope, &identity);
     Ok(Understood {
         api,
         model,
+        lane,
         identity,
         hints,
         hashes,

@@ -69,6 +69,16 @@ pub struct PickRequest {
     /// longer ones.
     #[prost(uint32, optional, tag = "21")]
     pub retention_horizon_s: ::core::option::Option<u32>,
+    /// The lane of the session this request is: "main", "side" (a title, a
+    /// summary, a small model's call) or "compaction". Empty or any other value
+    /// reads as "main".
+    #[prost(string, tag = "22")]
+    pub lane: ::prost::alloc::string::String,
+    /// The trace id (32 hex digits) of the request's W3C `traceparent`, empty
+    /// when none: OpenClaw's subagent calls carry the trace id of the parent
+    /// turn that spawned them, and nothing else names the parent.
+    #[prost(string, tag = "23")]
+    pub trace_id: ::prost::alloc::string::String,
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PromptSection {

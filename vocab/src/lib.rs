@@ -112,6 +112,13 @@ impl Harness {
     }
 }
 
+/// A parent id that names its parent by trace: `trace:<32 hex>`, the
+/// W3C trace id of the turn that spawned the subagent. OpenClaw's subagent
+/// requests name no parent session, only carry their parent turn's
+/// `traceparent` trace id; the sidecar resolves such an id to the session
+/// whose main-lane calls carried that trace id.
+pub const PARENT_BY_TRACE_PREFIX: &str = "trace:";
+
 /// Which lane of its session a request belongs to. A harness's side calls
 /// (a title, a summary, a call on its small model) share the session's id
 /// but not its prompt: they are placed on their own merits and never

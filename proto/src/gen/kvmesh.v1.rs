@@ -18,6 +18,10 @@ pub struct PickRequest {
     pub prompt_bytes: u64,
     #[prost(string, tag = "5")]
     pub session_id: ::prost::alloc::string::String,
+    /// The parent of a subagent: its parent agent, else its session. A value
+    /// "trace:\<32 hex>" names the parent by the trace id of the turn that
+    /// spawned it (OpenClaw): the sidecar resolves it to the session whose
+    /// main-lane calls carried that trace id.
     #[prost(string, tag = "6")]
     pub parent_id: ::prost::alloc::string::String,
     #[prost(string, tag = "7")]

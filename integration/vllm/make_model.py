@@ -1,8 +1,12 @@
 """Builds the tiny random-weight Llama that the real-vLLM tests serve.
 
 Nothing comes from a hub: the weights are seeded random numbers and the
-tokenizer is a byte-level BPE trained on the repository's own docs, so the
-same checkout always builds the same model (docs/vllm.md).
+tokenizer is a byte-level BPE trained on a frozen copy of the repository's
+own docs (tokenizer-corpus.json.gz: README.md and docs/*.md as of commit
+7f1238f, one string per file), so the same checkout always builds the same
+model, and editing the docs never changes it (docs/vllm.md). A new page
+under docs/ once changed the tokenizer, and with it how many tokens the
+real-vLLM tests' prompts take.
 
     python make_model.py --out DIR     build into DIR (replaced atomically)
     python make_model.py --list-inputs print the files the model depends on
@@ -36,9 +40,21 @@ CHAT_TEMPLATE = (
 )
 
 
+CORPUS = Path(__file__).resolve().parent / "tokenizer-corpus.json.gz"
+
+
 def training_files():
-    """The tokenizer's training text, in a fixed order."""
-    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    """The files the model depends on (besides this script)."""
+    return [CORPUS]
+
+
+def training_texts():
+    """The tokenizer's training text: one string per file, in a fixed order."""
+    import gzip
+    import json
+
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as corpus:
+        return json.load(corpus)
 
 
 def build(out: Path):
@@ -58,7 +74,7 @@ def build(out: Path):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = [path.read_text(encoding="utf-8") for path in training_files()]
+    texts = training_texts()
     tok.train_from_iterator(texts, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -7,6 +7,13 @@
 //! `GET /admin/last-body` returns the last inference request's body as it
 //! arrived.
 //!
+//! With `--agent-script` it answers Chat Completions, Responses and
+//! Messages calls as a model driving a coding agent would
+//! (`kvmesh_sim::agent`): a shell tool call, a subagent when asked, then a
+//! final answer, so real harness CLIs can run sessions against it. The
+//! timing, the cache and the usage are the same; only what the reply says
+//! changes, and its decode steps are the reply's tokens.
+//!
 //! Timing is `kvmesh_sim::timing`, scaled by `--time-scale`: prefills one at
 //! a time, each prompt looked up when its prefill starts and its blocks
 //! cached chunk by chunk as they are computed; each decode step as long as
@@ -15,6 +22,7 @@
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -26,7 +34,8 @@ use clap::{Parser, ValueEnum};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use kvmesh_sim::api::{Api, Call, Reply};
+use kvmesh_sim::agent::{self, Script};
+use kvmesh_sim::api::{Api, Call, Reply, ScriptedReply};
 use kvmesh_sim::engine::{Engine, EngineConfig, Served};
 use kvmesh_sim::timing::{
     H100_8B_KV_BYTES_PER_TOKEN, H100_8B_WEIGHT_BYTES, H100_MEMORY_BYTES_PER_MS, PREFILL_CHUNK_TOKENS, TimingModel,
@@ -73,6 +82,17 @@ struct Args {
     /// Which engine's metric names `/metrics` uses.
     #[arg(long, value_enum, default_value_t = MetricsNames::Vllm)]
     metrics_names: MetricsNames,
+    /// Answer as a model driving a coding agent (Claude Code, Codex,
+    /// OpenCode, OpenClaw): a call to the request's shell tool running
+    /// `echo hi`, then (when a user message says KVSPAWN) a call to its
+    /// subagent tool, then a final answer; title and summary calls get
+    /// text. Decided from each request alone.
+    #[arg(
+        long,
+        env = "KVMESH_SIM_AGENT_SCRIPT",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    agent_script: bool,
 }
 
 /// The engine whose Prometheus names the sim's `/metrics` speaks.
@@ -105,6 +125,9 @@ struct App {
     /// The body of the last inference request, as it arrived
     /// (`GET /admin/last-body`): tests compare it with what the client sent.
     last_body: Arc<Mutex<Bytes>>,
+    /// Differs between processes: scripted replies' ids are made from it,
+    /// the worker's name and the request number.
+    id_nonce: u128,
 }
 
 impl App {
@@ -122,6 +145,27 @@ impl App {
         TimingModel {
             time_scale: self.timing.time_scale * slow,
             ..self.timing
+        }
+    }
+
+    /// The scripted reply to `call`, with ids no other worker or run uses.
+    fn scripted(&self, call: Call, served: Served, script: Script) -> ScriptedReply {
+        let digest = Sha256::new()
+            .chain_update(self.name.as_bytes())
+            .chain_update(self.id_nonce.to_le_bytes())
+            .chain_update(served.request_id.to_le_bytes())
+            .finalize();
+        let mut uid = hex::encode(digest);
+        uid.truncate(24);
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs());
+        ScriptedReply {
+            call,
+            served,
+            script,
+            uid,
+            created,
         }
     }
 }
@@ -154,6 +198,10 @@ async fn main() -> anyhow::Result<()> {
         fault: Arc::new(Mutex::new(Fault::default())),
         args: Arc::new(args),
         last_body: Arc::new(Mutex::new(Bytes::new())),
+        id_nonce: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_nanos())
+            ^ u128::from(std::process::id()),
     };
     let mut routes = Router::new();
     for (path, api) in [
@@ -235,10 +283,19 @@ async fn serve(app: App, api: Api, headers: HeaderMap, body: Bytes) -> Response 
     *app.last_body.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = body.clone();
     let call = serde_json::from_slice::<Value>(&body)
         .map_err(|err| format!("invalid JSON body: {err}"))
-        .and_then(|request| Call::parse(api, &request, app.args.default_output_tokens));
+        .and_then(|request| {
+            let call = Call::parse(api, &request, app.args.default_output_tokens)?;
+            let script = if app.args.agent_script {
+                agent::decide(api, &request)
+            } else {
+                None
+            };
+            Ok((call, script))
+        });
     let response = match call {
         Err(message) => error(StatusCode::BAD_REQUEST, &message),
-        Ok(call) => reply(&app, call).await,
+        Ok((call, None)) => reply(&app, call).await,
+        Ok((call, Some(script))) => reply_scripted(&app, call, script).await,
     };
     tag(&app, &headers, &body, response)
 }
@@ -289,12 +346,18 @@ fn reply_text(app: &App, served: &Served) -> String {
     )
 }
 
+/// The error every inference request gets while one is injected.
+fn injected_fault(app: &App) -> Option<Response> {
+    let status = app.fault().error?;
+    Some(error(
+        StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+        "injected fault",
+    ))
+}
+
 async fn reply(app: &App, call: Call) -> Response {
-    if let Some(status) = app.fault().error {
-        return error(
-            StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
-            "injected fault",
-        );
+    if let Some(response) = injected_fault(app) {
+        return response;
     }
     if !call.stream {
         let served = prefill(app, &call.prompt).await;
@@ -325,6 +388,50 @@ async fn reply(app: &App, call: Call) -> Response {
         }
         finish(&app, &reply.served, reply.call.output_tokens);
     });
+    sse_response(events)
+}
+
+/// `reply` under `--agent-script`: the same prefill and decode steps, one
+/// step per token of the scripted reply, each sending its piece.
+async fn reply_scripted(app: &App, call: Call, script: Script) -> Response {
+    if let Some(response) = injected_fault(app) {
+        return response;
+    }
+    if !call.stream {
+        let served = prefill(app, &call.prompt).await;
+        let reply = app.scripted(call, served, script);
+        let output_tokens = reply.output_tokens();
+        for _ in 0..output_tokens {
+            decode_step(app).await;
+        }
+        finish(app, &served, output_tokens);
+        return axum::Json(reply.json()).into_response();
+    }
+    let app = app.clone();
+    let events = async_stream(move |tx| async move {
+        let served = prefill(&app, &call.prompt).await;
+        let reply = app.scripted(call, served, script);
+        let events = reply.sse();
+        for event in events.start {
+            let _ = tx.send(Bytes::from(event)).await;
+        }
+        for step in events.steps {
+            decode_step(&app).await;
+            for event in step {
+                let _ = tx.send(Bytes::from(event)).await;
+            }
+        }
+        for event in events.end {
+            let _ = tx.send(Bytes::from(event)).await;
+        }
+        finish(&app, &served, reply.output_tokens());
+    });
+    sse_response(events)
+}
+
+fn sse_response(
+    events: impl futures_util::Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static,
+) -> Response {
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")

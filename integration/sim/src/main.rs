@@ -93,6 +93,23 @@ struct Args {
         value_parser = clap::builder::BoolishValueParser::new()
     )]
     agent_script: bool,
+    /// Keep the last N inference requests (path, headers, body) for
+    /// `GET /admin/requests`, so a test can see what a client sent through
+    /// the proxy; at most 64 MiB of bodies are kept. 0: none.
+    #[arg(long, default_value_t = 0)]
+    record_requests: usize,
+}
+
+/// Bytes of request bodies `--record-requests` keeps at most: the oldest
+/// requests are dropped first.
+const RECORDED_BODY_BYTES_MAX: usize = 64 << 20;
+
+/// One inference request as it arrived (`GET /admin/requests`).
+#[derive(Debug, Clone)]
+struct Recorded {
+    path: String,
+    headers: Vec<(String, String)>,
+    body: Bytes,
 }
 
 /// The engine whose Prometheus names the sim's `/metrics` speaks.
@@ -125,6 +142,8 @@ struct App {
     /// The body of the last inference request, as it arrived
     /// (`GET /admin/last-body`): tests compare it with what the client sent.
     last_body: Arc<Mutex<Bytes>>,
+    /// The last `--record-requests` inference requests, oldest first.
+    recorded: Arc<Mutex<std::collections::VecDeque<Recorded>>>,
     /// Differs between processes: scripted replies' ids are made from it,
     /// the worker's name and the request number.
     id_nonce: u128,
@@ -198,6 +217,7 @@ async fn main() -> anyhow::Result<()> {
         fault: Arc::new(Mutex::new(Fault::default())),
         args: Arc::new(args),
         last_body: Arc::new(Mutex::new(Bytes::new())),
+        recorded: Arc::default(),
         id_nonce: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |since| since.as_nanos())
@@ -212,7 +232,12 @@ async fn main() -> anyhow::Result<()> {
     ] {
         routes = routes.route(
             path,
-            post(move |State(app): State<App>, headers: HeaderMap, body: Bytes| serve(app, api, headers, body)),
+            post(
+                move |State(app): State<App>, uri: axum::http::Uri, headers: HeaderMap, body: Bytes| {
+                    record(&app, &uri, &headers, &body);
+                    serve(app, api, headers, body)
+                },
+            ),
         );
     }
     let routes = routes
@@ -230,6 +255,7 @@ async fn main() -> anyhow::Result<()> {
                     .clone()
             }),
         )
+        .route("/admin/requests", get(recorded_requests))
         .route("/health", get(|| async { "ok" }))
         .fallback(fallback)
         // Engines take whole agent contexts (vLLM has no small body limit);
@@ -277,6 +303,56 @@ fn error(status: StatusCode, message: &str) -> Response {
         axum::Json(json!({"error": {"message": message, "type": "invalid_request_error"}})),
     )
         .into_response()
+}
+
+/// Keeps the request for `GET /admin/requests` when `--record-requests`
+/// asks, dropping the oldest beyond the count or the byte bound.
+fn record(app: &App, uri: &axum::http::Uri, headers: &HeaderMap, body: &Bytes) {
+    let keep = app.args.record_requests;
+    if keep == 0 {
+        return;
+    }
+    let request = Recorded {
+        path: uri
+            .path_and_query()
+            .map_or_else(|| uri.path().to_owned(), ToString::to_string),
+        headers: headers
+            .iter()
+            .map(|(name, value)| {
+                (
+                    name.as_str().to_owned(),
+                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                )
+            })
+            .collect(),
+        body: body.clone(),
+    };
+    let mut recorded = app.recorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    recorded.push_back(request);
+    let mut bytes: usize = recorded.iter().map(|r| r.body.len()).sum();
+    while recorded.len() > keep || (bytes > RECORDED_BODY_BYTES_MAX && recorded.len() > 1) {
+        if let Some(dropped) = recorded.pop_front() {
+            bytes -= dropped.body.len();
+        }
+    }
+}
+
+/// `GET /admin/requests`: the recorded requests, oldest first, each
+/// `{"path", "headers": [[name, value]], "body"}`, the body as the text it
+/// was (not re-serialised: a test hashes the bytes the client sent).
+async fn recorded_requests(State(app): State<App>) -> Response {
+    let recorded: Vec<Recorded> = app
+        .recorded
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .cloned()
+        .collect();
+    let requests: Vec<Value> = recorded
+        .into_iter()
+        .map(|r| json!({"path": r.path, "headers": r.headers, "body": String::from_utf8_lossy(&r.body)}))
+        .collect();
+    axum::Json(Value::Array(requests)).into_response()
 }
 
 async fn serve(app: App, api: Api, headers: HeaderMap, body: Bytes) -> Response {

@@ -10,9 +10,10 @@ use crate::priority::PriorityField;
 
 /// Where an id is read from. Written in the configuration as a string:
 /// `header:<name>`, `body:<json pointer>`, `claude_user_id` (the session part
-/// of Anthropic `metadata.user_id`, in its legacy and JSON-string forms) or
+/// of Anthropic `metadata.user_id`, in its legacy and JSON-string forms),
 /// `codex_thread` (Codex's `thread-id` header when it differs from the
-/// session id: only subagents send a different one).
+/// session id: only subagents send a different one), `openclaw_runtime` or
+/// `openclaw_parent_trace`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(try_from = "String")]
 pub enum IdSource {
@@ -20,6 +21,15 @@ pub enum IdSource {
     Body(String),
     ClaudeUserId,
     CodexThread,
+    /// The `sessionId=` of the `Runtime:` line OpenClaw writes into its
+    /// prompt, read only from a prompt that carries OpenClaw's marker:
+    /// OpenClaw sends no session header by default.
+    OpenClawRuntime,
+    /// For an OpenClaw subagent (session key `agent:<agent>:subagent:<uuid>`
+    /// in its `Runtime:` line), `trace:<trace id>` of its `traceparent`:
+    /// nothing else in its requests names the turn that spawned it, and the
+    /// sidecar resolves that trace to the parent's session.
+    OpenClawParentTrace,
 }
 
 impl IdSource {
@@ -41,8 +51,11 @@ impl IdSource {
         match text {
             "claude_user_id" => Ok(Self::ClaudeUserId),
             "codex_thread" => Ok(Self::CodexThread),
+            "openclaw_runtime" => Ok(Self::OpenClawRuntime),
+            "openclaw_parent_trace" => Ok(Self::OpenClawParentTrace),
             _ => Err(format!(
-                "{text:?} is not a source (header:<name>, body:<json pointer>, claude_user_id, codex_thread)"
+                "{text:?} is not a source (header:<name>, body:<json pointer>, claude_user_id, codex_thread, \
+                 openclaw_runtime, openclaw_parent_trace)"
             )),
         }
     }
@@ -101,6 +114,11 @@ pub struct FilterConfig {
     /// Write each request's priority into the body field of this GPU
     /// cluster's engine. Absent (the default): no body is ever rewritten.
     pub priority_field: Option<PriorityField>,
+    /// Remove Claude Code's billing block from the `system` of the bodies
+    /// sent upstream, for engines that do not strip it themselves (what is
+    /// removed: `crate::preamble`). Off by default: the body is the
+    /// client's. On or off, the block is out of the canonical stream.
+    pub strip_preambles: bool,
 }
 
 /// The header the filter sets, and always removes from clients.
@@ -126,13 +144,20 @@ impl Default for FilterConfig {
             max_blocks: 16 * 1024,
             max_body_bytes: 8 * 1024 * 1024,
             hash: BlockHash::Xxh3,
-            // The defaults follow what the harnesses send (HARNESSES.md):
-            // Dynamo, Claude Code, Codex (both spellings), OpenCode, then the
-            // body's cache key, Claude Code's metadata, the OpenAI `user`.
+            // The defaults follow what the harnesses send (HARNESSES.md, and
+            // docs/harnesses/README.md for the versions captured): Dynamo,
+            // Claude Code, Codex (both spellings), OpenCode, then the body's
+            // cache key, Claude Code's metadata, the OpenAI `user`.
+            // OpenClaw's prompt comes before `session_id`: with
+            // `compat.sendSessionAffinityHeaders` OpenClaw 2026.9.6 sends
+            // `session_id: <sessionId>:0`, and its session must be the same
+            // id with the setting on or off. It is read only from a prompt
+            // with OpenClaw's marker, so no other harness's session moves.
             session_sources: vec![
                 header("x-dynamo-session-id"),
                 header("x-claude-code-session-id"),
                 header("session-id"),
+                IdSource::OpenClawRuntime,
                 header("session_id"),
                 header("x-session-affinity"),
                 header("x-session-id"),
@@ -146,6 +171,7 @@ impl Default for FilterConfig {
                 header("x-claude-code-parent-agent-id"),
                 header("x-codex-parent-thread-id"),
                 header("x-parent-session-id"),
+                IdSource::OpenClawParentTrace,
             ],
             tenant_header: "x-kvmesh-tenant".to_owned(),
             trust_tenant_header: false,
@@ -153,6 +179,7 @@ impl Default for FilterConfig {
             strip_headers: Vec::new(),
             max_response_scan_bytes: 64 * 1024,
             priority_field: None,
+            strip_preambles: false,
         }
     }
 }

@@ -1,12 +1,16 @@
 //! Who a request belongs to: session, agent, parent and tenant ids, read from
-//! the ordered sources of the plugin configuration, and the scheduling hints
-//! a request carries.
+//! the ordered sources of the plugin configuration, the harness that sent it,
+//! and the scheduling hints a request carries.
+
+mod openclaw;
+
+use std::cell::OnceCell;
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use kvmesh_vocab::Harness;
 use kvmesh_vocab::limits::{MAX_ID_BYTES, clip};
+use kvmesh_vocab::{Harness, PARENT_BY_TRACE_PREFIX};
 
 use crate::FilterConfig;
 use crate::canonical::Envelope;
@@ -60,23 +64,33 @@ impl Headers for Vec<(String, String)> {
 }
 
 /// Reads the harness from the request headers. An explicit
-/// `x-kvmesh-harness` wins (for agents kvmesh cannot recognise).
+/// `x-kvmesh-harness` wins (for agents kvmesh cannot recognise). OpenClaw
+/// sends no header of its own: [`identify`] recognises it by its prompt.
 pub fn detect_harness(headers: &impl Headers) -> Harness {
+    harness_from_headers(headers).unwrap_or(Harness::Other)
+}
+
+/// The harness the headers name or show, `None` when they say nothing.
+fn harness_from_headers(headers: &impl Headers) -> Option<Harness> {
     if let Some(declared) = headers.get("x-kvmesh-harness") {
-        return Harness::from_name(declared);
+        return Some(Harness::from_name(declared));
     }
     let agent = headers.get("user-agent").unwrap_or_default().to_ascii_lowercase();
     let originator = headers.get("originator").unwrap_or_default();
+    // `claude-cli/<ver> (external, cli | sdk-cli)` (2.1.197); `originator:
+    // codex_exec` / `codex-tui` (0.171.0), `codex_cli_rs` (0.58.0); OpenCode
+    // `opencode/<ver> ai-sdk/…` (1.18.33). OpenClaw 2026.9.6 sends its SDK's
+    // user agent (`OpenAI/JS`, `undici`), which names no harness.
     if agent.starts_with("claude-cli/") || headers.get("x-claude-code-session-id").is_some() {
-        Harness::ClaudeCode
+        Some(Harness::ClaudeCode)
     } else if originator.starts_with("codex") || agent.starts_with("codex") {
-        Harness::Codex
+        Some(Harness::Codex)
     } else if agent.starts_with("opencode/") || headers.get("x-opencode-session").is_some() {
-        Harness::OpenCode
+        Some(Harness::OpenCode)
     } else if agent.contains("openclaw") {
-        Harness::OpenClaw
+        Some(Harness::OpenClaw)
     } else {
-        Harness::Other
+        None
     }
 }
 
@@ -123,7 +137,23 @@ pub struct Hints {
     pub retention_horizon_s: Option<u32>,
 }
 
-fn read(source: &IdSource, headers: &impl Headers, envelope: &Envelope<'_>, session: &str) -> Option<String> {
+/// What one request offers its id sources. The OpenClaw prompt is read at
+/// most once, and only when a source or the harness needs it.
+struct Request<'r, 'a, H> {
+    headers: &'r H,
+    envelope: &'r Envelope<'a>,
+    trace_id: &'r str,
+    openclaw: OnceCell<Option<openclaw::OpenClaw>>,
+}
+
+impl<H: Headers> Request<'_, '_, H> {
+    fn openclaw(&self) -> Option<&openclaw::OpenClaw> {
+        self.openclaw.get_or_init(|| openclaw::read(self.envelope)).as_ref()
+    }
+}
+
+fn read<H: Headers>(source: &IdSource, request: &Request<'_, '_, H>, session: &str) -> Option<String> {
+    let (headers, envelope) = (request.headers, request.envelope);
     let found = match source {
         IdSource::Header(name) => headers.get(name).map(|v| v.trim().to_owned()),
         IdSource::Body(pointer) => body_string(envelope, pointer),
@@ -135,6 +165,11 @@ fn read(source: &IdSource, headers: &impl Headers, envelope: &Envelope<'_>, sess
             .map(str::trim)
             .filter(|thread| *thread != session)
             .map(str::to_owned),
+        IdSource::OpenClawRuntime => request.openclaw().map(|found| found.session_id.clone()),
+        IdSource::OpenClawParentTrace => request
+            .openclaw()
+            .filter(|found| found.subagent && !request.trace_id.is_empty())
+            .map(|_| format!("{PARENT_BY_TRACE_PREFIX}{}", request.trace_id)),
     };
     found.filter(|id| !id.is_empty()).map(|id| bounded_id(&id))
 }
@@ -169,30 +204,46 @@ fn session_from_user_id(user_id: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
-fn first(sources: &[IdSource], headers: &impl Headers, envelope: &Envelope<'_>, session: &str) -> String {
+fn first<H: Headers>(sources: &[IdSource], request: &Request<'_, '_, H>, session: &str) -> String {
     sources
         .iter()
-        .find_map(|source| read(source, headers, envelope, session))
+        .find_map(|source| read(source, request, session))
         .unwrap_or_default()
 }
 
 /// Reads the ids of a request from its headers and body.
 pub fn identify(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterConfig) -> Identity {
-    let session_id = first(&config.session_sources, headers, envelope, "");
-    let agent_id = first(&config.agent_sources, headers, envelope, &session_id);
-    let mut parent_id = first(&config.parent_sources, headers, envelope, &session_id);
+    let trace_id = trace_id(headers);
+    let request = Request {
+        headers,
+        envelope,
+        trace_id: &trace_id,
+        openclaw: OnceCell::new(),
+    };
+    let session_id = first(&config.session_sources, &request, "");
+    let agent_id = first(&config.agent_sources, &request, &session_id);
+    let mut parent_id = first(&config.parent_sources, &request, &session_id);
     // A subagent with no parent header descends from its session (Dynamo's
     // mapping of Claude Code and Codex).
     if parent_id.is_empty() && !agent_id.is_empty() {
         parent_id = session_id.clone();
     }
+    // The headers first: a harness they name never costs a prompt scan,
+    // and no other harness's label can move to OpenClaw.
+    let harness = harness_from_headers(headers).unwrap_or_else(|| {
+        if request.openclaw().is_some() {
+            Harness::OpenClaw
+        } else {
+            Harness::Other
+        }
+    });
     Identity {
-        harness: detect_harness(headers),
+        harness,
         tenant: tenant(headers, config),
         session_final: headers
             .get("x-dynamo-session-final")
             .is_some_and(|v| v.trim().eq_ignore_ascii_case("true")),
-        trace_id: trace_id(headers),
+        trace_id,
         session_id,
         agent_id,
         parent_id,

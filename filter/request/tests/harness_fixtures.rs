@@ -1,6 +1,10 @@
 //! Golden tests on request fixtures shaped like the wire traffic of Claude
 //! Code, Codex, OpenCode and OpenClaw (`tests/fixtures/*.json`, each with a
-//! `source` note on where its shape comes from).
+//! `source` note on where its shape comes from and `cli`, the CLI version
+//! that sends it). Where a documented shape and a captured CLI
+//! (`tests/real-harnesses`, checked in `real_harnesses.rs`) disagree, the
+//! fixture follows the capture; shapes of older versions stay, named by
+//! their version.
 //!
 //! Set `KVMESH_BLESS=1` to rewrite `tests/fixtures/golden.json` after an
 //! intended change of the canonical form (every deployed filter of a GPU
@@ -42,6 +46,12 @@ fn fixtures() -> Vec<Fixture> {
         assert!(
             f["source"].as_str().is_some_and(|s| s.len() > 40),
             "{name}: no source note"
+        );
+        // A harness's fixture names the version whose shape it is.
+        let cli = f["cli"].as_str().unwrap_or_else(|| panic!("{name}: no cli"));
+        assert!(
+            f["expect"]["harness"] == "other" || cli.contains(|c: char| c.is_ascii_digit()),
+            "{name}: cli {cli:?} names no version"
         );
         all.push(Fixture {
             headers: f["headers"]
@@ -202,10 +212,17 @@ fn two_tenants_with_identical_prompts_share_no_hash() {
 }
 
 #[test]
-fn the_session_agent_and_parent_match_each_harness() {
+fn the_session_agent_parent_harness_and_lane_match_each_fixture() {
     for f in fixtures() {
-        let id = run(&f, &f.body, &f.headers).identity;
-        let got = json!({"session": id.session_id, "agent": id.agent_id, "parent": id.parent_id});
+        let u = run(&f, &f.body, &f.headers);
+        let id = u.identity;
+        let got = json!({
+            "session": id.session_id,
+            "agent": id.agent_id,
+            "parent": id.parent_id,
+            "harness": id.harness.name(),
+            "lane": u.lane.name(),
+        });
         assert_eq!(got, f.expect, "{}", f.name);
     }
 }
@@ -255,21 +272,26 @@ fn hashes_match_the_golden_file() {
 }
 
 #[test]
-fn each_harness_is_recognised_by_its_headers() {
+fn each_harness_is_recognised_and_a_declared_one_wins() {
     use kvmesh_request::Harness;
     for f in fixtures() {
         let expected = match f.name.split('_').next().unwrap() {
             "claude" => Harness::ClaudeCode,
             "codex" => Harness::Codex,
             "opencode" => Harness::OpenCode,
-            // OpenClaw sends no header of its own: it says so with
-            // `x-kvmesh-harness`, or counts as other.
+            // By its prompt: OpenClaw 2026.9.6 sends no header of its own.
+            "openclaw" => Harness::OpenClaw,
             _ => Harness::Other,
         };
         assert_eq!(run(&f, &f.body, &f.headers).identity.harness, expected, "{}", f.name);
         let mut declared = f.headers.clone();
-        declared.push(("X-Kvmesh-Harness".to_owned(), "openclaw".to_owned()));
-        assert_eq!(run(&f, &f.body, &declared).identity.harness, Harness::OpenClaw);
+        declared.push(("X-Kvmesh-Harness".to_owned(), "other".to_owned()));
+        assert_eq!(
+            run(&f, &f.body, &declared).identity.harness,
+            Harness::Other,
+            "{}",
+            f.name
+        );
     }
 }
 

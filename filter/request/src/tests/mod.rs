@@ -1,4 +1,6 @@
 mod chunked;
+mod identity;
+mod lane;
 mod priority;
 mod retention;
 mod scan;

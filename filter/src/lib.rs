@@ -424,8 +424,8 @@ impl RequestFilter {
             }
         };
         self.count_priority(&understood);
-        if self.config().priority_field.is_some() {
-            self.write_priority(understood.body_edit.as_ref(), body_size);
+        if self.config().priority_field.is_some() || self.config().strip_preambles {
+            self.write_body_edit(understood.body_edit.as_ref(), body_size);
         }
         if understood.body_truncated {
             self.metrics().inc(self.metrics().truncated_body);
@@ -487,27 +487,39 @@ impl RequestFilter {
         }
     }
 
-    /// Writes the engine's priority field into the body Envoy holds (only
-    /// from `on_http_request_body`: see `host::replace_request_body_prefix`)
-    /// and corrects `content-length`. Any doubt leaves the body as it came.
-    fn write_priority(&self, edit: Option<&kvmesh_request::BodyEdit>, body_size: usize) {
+    /// Rewrites the body Envoy holds as the request crate's one edit says
+    /// (the engine's priority field, the billing block out of `system`;
+    /// only from `on_http_request_body`: see
+    /// `host::replace_request_body_prefix`) and corrects `content-length`.
+    /// Any doubt leaves the body as it came.
+    fn write_body_edit(&self, edit: Option<&kvmesh_request::BodyEdit>, body_size: usize) {
         let metrics = self.metrics();
-        let Some(edit) = edit.filter(|edit| edit.replace <= body_size) else {
-            metrics.inc(metrics.priority_not_written);
-            return;
+        let written = match edit {
+            Some(edit) if edit.replace <= body_size && host::replace_request_body_prefix(edit.replace, &edit.with) => {
+                Some(edit)
+            }
+            _ => None,
         };
-        if !host::replace_request_body_prefix(edit.replace, &edit.with) {
-            metrics.inc(metrics.priority_not_written);
-            return;
+        if let Some(edit) = written {
+            // Headers are still held (paused in on_http_request_headers), so
+            // the upstream sees the new length. Without one (HTTP/2, chunked
+            // HTTP/1) Envoy frames the body itself.
+            if host::request_header("content-length").is_some() {
+                host::set_request_header("content-length", Some(&edit.new_len(body_size).to_string()));
+            }
+            if edit.preamble {
+                metrics.inc(metrics.preamble_stripped);
+            }
         }
-        // Headers are still held (paused in on_http_request_headers), so
-        // the upstream sees the new length. Without one (HTTP/2, chunked
-        // HTTP/1) Envoy frames the body itself.
-        if host::request_header("content-length").is_some() {
-            host::set_request_header("content-length", Some(&edit.new_len(body_size).to_string()));
+        if self.config().priority_field.is_some() {
+            match written.filter(|edit| edit.priority) {
+                Some(edit) => {
+                    metrics.inc(metrics.priority_written);
+                    metrics.add(metrics.priority_replaced, edit.replaced);
+                }
+                None => metrics.inc(metrics.priority_not_written),
+            }
         }
-        metrics.inc(metrics.priority_written);
-        metrics.add(metrics.priority_replaced, edit.replaced);
     }
 
     /// Sends the Pick on the root context's stream; `false` if it is down.

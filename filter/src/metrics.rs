@@ -71,6 +71,9 @@ pub(crate) struct Metrics {
     /// outside i32), and ones clamped into kvmesh's -1000..=1000.
     pub(crate) priority_dropped: Option<u32>,
     pub(crate) priority_clamped: Option<u32>,
+    /// Bodies sent upstream without Claude Code's billing block
+    /// (`strip_preambles` on).
+    pub(crate) preamble_stripped: Option<u32>,
     fail_open: [Option<u32>; FAIL_OPEN_REASONS.len()],
     parse_error: [Option<u32>; 4],
 }
@@ -98,6 +101,7 @@ impl Metrics {
             priority_not_written: counter("kvmesh.priority.not_written"),
             priority_dropped: counter("kvmesh.priority.dropped"),
             priority_clamped: counter("kvmesh.priority.clamped"),
+            preamble_stripped: counter("kvmesh.preamble.stripped"),
             fail_open: FAIL_OPEN_REASONS.map(|reason| counter(&format!("kvmesh.fail_open.{reason}"))),
             parse_error: Api::ALL.map(|api| counter(&format!("kvmesh.parse_error.{}", api.name()))),
         }

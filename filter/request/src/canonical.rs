@@ -7,6 +7,13 @@
 //! messages on every call, and it never reaches the prompt. Fields outside
 //! the prompt (`stream`, `temperature`, `max_tokens`, `metadata`, ...) are
 //! never read into the stream.
+//!
+//! The stream follows what the engine tokenizes, so two more things stay
+//! out, both of which differ between sessions that share a whole prompt:
+//! the client-made `id` of each Responses input item (see [`Shape`]), and
+//! Claude Code's billing block at the head of `system` (`crate::preamble`).
+//! A Responses `additional_tools` input item (Codex's tools, when its model
+//! takes them there) is the stream's tools section.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -190,13 +197,36 @@ pub(crate) fn json_string(raw: &[u8]) -> Option<Cow<'_, str>> {
     serde_json::from_slice::<String>(raw).ok().map(Cow::Owned)
 }
 
-/// Appends one part (separator, name, the value minified) to `out`, which
-/// stops at `limit` bytes. Returns the longest retention horizon its
-/// `cache_control` markers declare, up to where it stopped: the markers
-/// leave the stream, but what they say is kept.
+/// How a part's value is written: minified as the client sent it, or without
+/// what the engine never tokenizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shape {
+    Whole,
+    /// A Responses input item without its top-level `id`. Codex makes one
+    /// for every item (`msg_…`, `at_…`, `fco_…`), new in every session, so
+    /// with them two sessions of one prompt share 50 bytes instead of their
+    /// system prompt and tools. The engine never sees them: vLLM turns items
+    /// into chat messages in `_construct_message_from_response_item`
+    /// (`vllm/entrypoints/openai/responses/utils.py`), which links a tool
+    /// call to its output by `call_id` and reads `id` only for log lines,
+    /// and `_parse_chat_message_content` (`vllm/entrypoints/chat_utils.py`)
+    /// gives the template a message of `role`, `content`, tool calls and
+    /// their ids, `name`, a developer message's `tools`, never an `id`.
+    /// `call_id` stays: it is tokenized, and it pairs calls with outputs.
+    WithoutId,
+    /// Anthropic `system` without Claude Code's billing block, when it has
+    /// one (`crate::preamble`).
+    System,
+}
+
+/// Appends one part (separator, name, the value written as `shape` says) to
+/// `out`, which stops at `limit` bytes. Returns the longest retention
+/// horizon its `cache_control` markers declare, up to where it stopped: the
+/// markers leave the stream, but what they say is kept.
 pub(crate) fn write_part(
     body: &[u8],
     name: &[u8],
+    shape: Shape,
     value: Range<usize>,
     out: &mut Vec<u8>,
     limit: usize,
@@ -205,10 +235,113 @@ pub(crate) fn write_part(
     out.extend_from_slice(name);
     out.push(FIELD);
     let mut horizon = None;
-    scan::write_minified(body, value, DROPPED_KEYS, out, limit, &mut |marker| {
-        horizon = horizon.max(marker_horizon_s(&body[marker]));
-    })?;
+    let mut marker = |marker: Range<usize>| {
+        horizon = horizon.max(marker_horizon_s(body.get(marker).unwrap_or_default()));
+    };
+    match shape {
+        Shape::Whole => scan::write_minified(body, value, DROPPED_KEYS, out, limit, &mut marker)?,
+        Shape::WithoutId => write_without_id(body, value, out, limit, &mut marker)?,
+        Shape::System => write_system(body, value, out, limit, &mut marker)?,
+    }
     Ok(horizon)
+}
+
+/// The object at `value` minified as [`scan::write_minified`] writes it,
+/// but for its top-level `id` members. Not an object: written whole.
+fn write_without_id(
+    body: &[u8],
+    value: Range<usize>,
+    out: &mut Vec<u8>,
+    limit: usize,
+    marker: &mut impl FnMut(Range<usize>),
+) -> Result<(), ScanError> {
+    if body.get(value.start) != Some(&b'{') {
+        return scan::write_minified(body, value, DROPPED_KEYS, out, limit, marker);
+    }
+    out.push(b'{');
+    let mut first = true;
+    let mut failed = None;
+    let scanned = scan::for_each_member(body, value, |key, member| {
+        // Past the limit nothing is written, and no marker read (as the
+        // minifier does); the scan only goes on to its end.
+        if failed.is_some() || out.len() >= limit {
+            return;
+        }
+        let raw_key = body.get(key.clone()).unwrap_or_default();
+        if raw_key == b"id" {
+            return;
+        }
+        if DROPPED_KEYS.iter().any(|k| k.as_bytes() == raw_key) {
+            marker(member);
+            return;
+        }
+        if !first {
+            out.push(b',');
+        }
+        first = false;
+        // The key with its quotes, as sent.
+        out.extend_from_slice(body.get(key.start.saturating_sub(1)..key.end + 1).unwrap_or_default());
+        out.push(b':');
+        if let Err(err) = scan::write_minified(body, member, DROPPED_KEYS, out, limit, marker) {
+            failed = Some(err);
+        }
+    });
+    finish_container(out, limit, failed, scanned, b'}')
+}
+
+/// The Anthropic `system` at `value` minified, without its billing block
+/// when it has one: `[` and the elements after the first, as
+/// [`scan::write_minified`] writes them.
+fn write_system(
+    body: &[u8],
+    value: Range<usize>,
+    out: &mut Vec<u8>,
+    limit: usize,
+    marker: &mut impl FnMut(Range<usize>),
+) -> Result<(), ScanError> {
+    if crate::preamble::billing_block(body, value.clone()).is_none() {
+        return scan::write_minified(body, value, DROPPED_KEYS, out, limit, marker);
+    }
+    out.push(b'[');
+    let mut index = 0usize;
+    let mut failed = None;
+    let scanned = scan::for_each_element(body, value, |element| {
+        index += 1;
+        if index == 1 {
+            return true;
+        }
+        if index > 2 {
+            out.push(b',');
+        }
+        if let Err(err) = scan::write_minified(body, element, DROPPED_KEYS, out, limit, marker) {
+            failed = Some(err);
+            return false;
+        }
+        out.len() < limit
+    });
+    finish_container(out, limit, failed, scanned, b']')
+}
+
+/// Ends a container written member by member: cut at `limit` once reached
+/// (what follows is not hashed, so not checked: the minifier's rule), else
+/// the first error, else the closing bracket.
+fn finish_container(
+    out: &mut Vec<u8>,
+    limit: usize,
+    failed: Option<ScanError>,
+    scanned: Result<(), ScanError>,
+    close: u8,
+) -> Result<(), ScanError> {
+    if out.len() >= limit {
+        out.truncate(limit);
+        return Ok(());
+    }
+    if let Some(err) = failed {
+        return Err(err);
+    }
+    scanned?;
+    out.push(close);
+    Ok(())
 }
 
 /// One part written ahead into a [`PartCache`].
@@ -216,6 +349,7 @@ pub(crate) fn write_part(
 pub(crate) struct CachedPart {
     pub(crate) name: &'static [u8],
     pub(crate) kind: SectionKind,
+    pub(crate) shape: Shape,
     pub(crate) index: u32,
     /// The value's span in the body.
     pub(crate) value: Range<usize>,
@@ -250,11 +384,12 @@ impl PartCache {
         &mut self,
         body: &[u8],
         (name, kind, index): (&'static [u8], SectionKind, u32),
+        shape: Shape,
         value: Range<usize>,
         limit: usize,
     ) -> bool {
         let mark = self.bytes.len();
-        let Ok(horizon_s) = write_part(body, name, value.clone(), &mut self.bytes, limit) else {
+        let Ok(horizon_s) = write_part(body, name, shape, value.clone(), &mut self.bytes, limit) else {
             self.bytes.truncate(mark);
             return false;
         };
@@ -262,6 +397,7 @@ impl PartCache {
             horizon_s,
             name,
             kind,
+            shape,
             index,
             value,
             digest: xxh3_64(&self.bytes[mark..]) as u32,
@@ -317,6 +453,7 @@ pub struct Canonical {
 }
 
 struct Builder<'e, 'a> {
+    api: Api,
     envelope: &'e Envelope<'a>,
     out: Vec<u8>,
     /// Bytes past which nothing is hashed: stop building there.
@@ -342,7 +479,7 @@ impl Builder<'_, '_> {
 
     /// Takes the part from the cache when it holds it: in place while the
     /// cache runs in stream order, else copied when it is whole and fits.
-    fn cached(&mut self, name: &[u8], kind: SectionKind, index: u32, value: &Range<usize>) -> bool {
+    fn cached(&mut self, name: &[u8], (kind, shape): (SectionKind, Shape), index: u32, value: &Range<usize>) -> bool {
         let Some(reuse) = self.reuse.as_mut() else {
             return false;
         };
@@ -351,6 +488,7 @@ impl Builder<'_, '_> {
                 && part.bytes.start == kept
                 && part.name == name
                 && part.kind == kind
+                && part.shape == shape
                 && part.index == index
                 && part.value == *value
             {
@@ -382,7 +520,7 @@ impl Builder<'_, '_> {
         match bytes {
             // A whole part declares the same wherever it lands: its write
             // read every marker before its last byte.
-            Some(bytes) if part.whole && fits && part.name == name => {
+            Some(bytes) if part.whole && fits && part.name == name && part.shape == shape => {
                 self.sections.push((kind, index, self.out.len(), Some(part.digest)));
                 self.horizon_s = self.horizon_s.max(part.horizon_s);
                 self.out.extend_from_slice(bytes);
@@ -397,7 +535,7 @@ impl Builder<'_, '_> {
     fn part(
         &mut self,
         name: &[u8],
-        kind: SectionKind,
+        (kind, shape): (SectionKind, Shape),
         index: u32,
         value: Range<usize>,
     ) -> Result<bool, CanonicalError> {
@@ -405,11 +543,11 @@ impl Builder<'_, '_> {
             self.truncated = true;
             return Ok(false);
         }
-        if self.cached(name, kind, index, &value) {
+        if self.cached(name, (kind, shape), index, &value) {
             return Ok(true);
         }
         let mark = self.out.len();
-        match write_part(self.envelope.body, name, value, &mut self.out, self.limit) {
+        match write_part(self.envelope.body, name, shape, value, &mut self.out, self.limit) {
             Ok(horizon_s) => {
                 self.sections.push((kind, index, mark, None));
                 self.horizon_s = self.horizon_s.max(horizon_s);
@@ -436,7 +574,12 @@ impl Builder<'_, '_> {
                     "prompt" | "input" => SectionKind::Message,
                     _ => SectionKind::Other,
                 };
-                self.part(key.as_bytes(), kind, 0, span)
+                let shape = if self.api == Api::Messages && key == "system" {
+                    Shape::System
+                } else {
+                    Shape::Whole
+                };
+                self.part(key.as_bytes(), (kind, shape), 0, span)
             }
             Some(_) => Ok(true),
             None if self.envelope.truncated => {
@@ -463,23 +606,17 @@ impl Builder<'_, '_> {
         // at the limit: a body of millions of tiny messages costs no more
         // than the blocks that will be hashed.
         let body = self.envelope.body;
+        let api = self.api;
         let mut failed = None;
         let mut index = 0u32;
-        // System messages lead the conversation: roles are read only until
-        // the first other one, so a long conversation is not scanned twice.
         let mut leading = true;
         let tracked = self.reuse.as_mut().and_then(|reuse| {
             let at = reuse.arrays.iter().position(|(array, _)| *array == span)?;
             Some(reuse.arrays.swap_remove(at).1)
         });
         let mut each = |element: Range<usize>| {
-            leading = leading && is_system_message(body, element.clone());
-            let kind = if leading {
-                SectionKind::System
-            } else {
-                SectionKind::Message
-            };
-            let written = self.part(b"item", kind, index, element);
+            let part = item_part(api, body, element.clone(), &mut leading);
+            let written = self.part(b"item", part, index, element);
             index = index.saturating_add(1);
             match written {
                 Ok(more) => more,
@@ -513,8 +650,55 @@ impl Builder<'_, '_> {
     }
 }
 
+/// The section and shape of one element of `messages` / `input`, given
+/// whether the elements before it were all system messages (`leading`,
+/// updated): those lead the conversation and are its system section.
+///
+/// On the Responses API, every item is written without its `id` but an
+/// `item_reference`, whose `id` names the item the engine is to read; an
+/// `additional_tools` item is the tools section (Codex sends its tools so
+/// with models that take them in the input: docs/harnesses/README.md), and
+/// does not end the leading run.
+pub(crate) fn item_part(api: Api, body: &[u8], element: Range<usize>, leading: &mut bool) -> (SectionKind, Shape) {
+    if api != Api::Responses {
+        // Roles are read only until the first other one, so a long
+        // conversation is not scanned twice.
+        *leading = *leading && is_system_message(body, element);
+        let kind = if *leading {
+            SectionKind::System
+        } else {
+            SectionKind::Message
+        };
+        return (kind, Shape::Whole);
+    }
+    // Every item is read: its shape depends on its type. The scan skips
+    // strings by searching for quotes, a small cost beside the minifying.
+    let (mut system, mut tools, mut reference) = (false, false, false);
+    // A malformed element is no tools item; the minifier reports it.
+    let _ = scan::for_each_member(body, element, |key, value| {
+        let value = body.get(value).unwrap_or_default();
+        match body.get(key).unwrap_or_default() {
+            b"role" => system = matches!(value, b"\"system\"" | b"\"developer\""),
+            b"type" => {
+                tools = value == b"\"additional_tools\"";
+                reference = value == b"\"item_reference\"";
+            }
+            _ => {}
+        }
+    });
+    *leading = *leading && (system || tools);
+    let kind = if tools {
+        SectionKind::Tools
+    } else if *leading {
+        SectionKind::System
+    } else {
+        SectionKind::Message
+    };
+    (kind, if reference { Shape::Whole } else { Shape::WithoutId })
+}
+
 /// A message whose `role` is `system` or `developer`.
-pub(crate) fn is_system_message(body: &[u8], element: Range<usize>) -> bool {
+fn is_system_message(body: &[u8], element: Range<usize>) -> bool {
     let mut system = false;
     // A malformed element is not a system message; the minifier reports it.
     let _ = scan::for_each_member(body, element, |key, value| {
@@ -555,6 +739,7 @@ pub(crate) fn canonical_stream_reusing(
         None => (Vec::with_capacity(envelope.body.len().min(limit)), None),
     };
     let mut b = Builder {
+        api,
         envelope,
         limit,
         out,

@@ -20,7 +20,7 @@
 
 use kvmesh_vocab::SectionKind;
 
-use crate::canonical::{PartCache, json_string};
+use crate::canonical::{PartCache, Shape, item_part, json_string};
 use crate::hashing::{BlockHash, ChainHasher};
 use crate::identity::tenant;
 use crate::scan::{Found, Tracker};
@@ -182,8 +182,8 @@ impl ChunkedRequest {
                 self.reseed();
             }
             key => {
-                if let Some((name, kind, slot)) = member_part(self.api, key, raw) {
-                    self.cache_part((name, kind, 0), value, slot);
+                if let Some((name, kind, shape, slot)) = member_part(self.api, key, raw) {
+                    self.cache_part((name, kind, 0), shape, value, slot);
                 }
             }
         }
@@ -205,23 +205,24 @@ impl ChunkedRequest {
         if self.leading.0 != array {
             self.leading = (array, true);
         }
-        // As the builder reads them: system roles only until another one.
-        self.leading.1 = self.leading.1 && crate::canonical::is_system_message(&self.body, span.clone());
-        let kind = if self.leading.1 {
-            SectionKind::System
-        } else {
-            SectionKind::Message
-        };
+        // As the builder reads them: the same function, on the same bytes.
+        let (kind, shape) = item_part(self.api, &self.body, span.clone(), &mut self.leading.1);
         let index = u32::try_from(element).unwrap_or(u32::MAX);
-        self.cache_part((b"item", kind, index), span, slot);
+        self.cache_part((b"item", kind, index), shape, span, slot);
     }
 
-    fn cache_part(&mut self, part: (&'static [u8], SectionKind, u32), value: std::ops::Range<usize>, slot: usize) {
+    fn cache_part(
+        &mut self,
+        part: (&'static [u8], SectionKind, u32),
+        shape: Shape,
+        value: std::ops::Range<usize>,
+        slot: usize,
+    ) {
         if !self.caching {
             return;
         }
         let limit = self.settings.limit();
-        if self.cache.bytes.len() >= limit || !self.cache.write(&self.body, part, value, limit) {
+        if self.cache.bytes.len() >= limit || !self.cache.write(&self.body, part, shape, value, limit) {
             self.caching = false;
             return;
         }
@@ -345,23 +346,27 @@ fn grow(buffer: &mut Vec<u8>, incoming: usize, expected: usize) {
     buffer.reserve_exact(target - len);
 }
 
-/// The slot in stream order, the name and the kind of a member that is one
+/// The name, kind, shape and slot in stream order of a member that is one
 /// part of `api`'s stream (as the builder writes it).
-fn member_part(api: Api, key: &[u8], raw: &[u8]) -> Option<(&'static [u8], SectionKind, usize)> {
+fn member_part(api: Api, key: &[u8], raw: &[u8]) -> Option<(&'static [u8], SectionKind, Shape, usize)> {
     if raw == b"null" {
         return None;
     }
     let first = raw.first().copied();
-    let (name, kind, slot): (&'static [u8], _, _) = match (api, key) {
-        (Api::ChatCompletions | Api::Responses | Api::Messages, b"tools") => (b"tools", SectionKind::Tools, 0),
-        (Api::Messages, b"system") => (b"system", SectionKind::System, 1),
-        (Api::Responses, b"instructions") => (b"instructions", SectionKind::System, 1),
-        (Api::Responses, b"previous_response_id") => (b"previous_response_id", SectionKind::Other, 2),
-        (Api::Responses, b"input") if first == Some(b'"') => (b"input", SectionKind::Message, 3),
-        (Api::Completions, b"prompt") if matches!(first, Some(b'"' | b'[')) => (b"prompt", SectionKind::Message, 0),
+    let (name, kind, shape, slot): (&'static [u8], _, _, _) = match (api, key) {
+        (Api::ChatCompletions | Api::Responses | Api::Messages, b"tools") => {
+            (b"tools", SectionKind::Tools, Shape::Whole, 0)
+        }
+        (Api::Messages, b"system") => (b"system", SectionKind::System, Shape::System, 1),
+        (Api::Responses, b"instructions") => (b"instructions", SectionKind::System, Shape::Whole, 1),
+        (Api::Responses, b"previous_response_id") => (b"previous_response_id", SectionKind::Other, Shape::Whole, 2),
+        (Api::Responses, b"input") if first == Some(b'"') => (b"input", SectionKind::Message, Shape::Whole, 3),
+        (Api::Completions, b"prompt") if matches!(first, Some(b'"' | b'[')) => {
+            (b"prompt", SectionKind::Message, Shape::Whole, 0)
+        }
         _ => return None,
     };
-    Some((name, kind, slot))
+    Some((name, kind, shape, slot))
 }
 
 /// The array whose elements are `api`'s parts, and their slot.

@@ -13,6 +13,7 @@ mod config;
 mod hashing;
 mod identity;
 mod lane;
+mod preamble;
 mod priority;
 mod retention;
 mod scan;
@@ -46,9 +47,11 @@ pub struct Understood {
     pub sections: Vec<Section>,
     /// The body was longer than the parse cap: routed on its first bytes.
     pub body_truncated: bool,
-    /// With `priority_field` configured: the rewrite that writes the
-    /// priority into the engine's field, or `None` when the body cannot be
-    /// rewritten safely (cut at the parse cap): it then goes untouched.
+    /// With `priority_field` or `strip_preambles` configured: the one
+    /// rewrite doing what they ask (the priority in the engine's field, the
+    /// billing block out of `system`), or `None` when there is nothing to
+    /// change or the body cannot be rewritten safely (cut at the parse cap):
+    /// it then goes untouched.
     pub body_edit: Option<BodyEdit>,
 }
 
@@ -113,10 +116,9 @@ fn understand_envelope(
     let identity = identify(headers, envelope, config);
     let mut hints = hints(headers, envelope, config, &identity);
     hints.retention_horizon_s = canonical.horizon_s.max(retention::top_level_horizon_s(envelope));
-    let body_edit = config.priority_field.as_ref().and_then(|field| {
-        let value = engine_priority_json(field.engine, hints.priority.unwrap_or_default());
-        priority::edit(envelope, &value)
-    });
+    let priority = (config.priority_field.as_ref())
+        .map(|field| engine_priority_json(field.engine, hints.priority.unwrap_or_default()));
+    let body_edit = priority::compose(api, envelope, priority.as_deref(), config.strip_preambles);
     let cache_salt = envelope.string("cache_salt").unwrap_or_default();
     let seed = salt(&identity.tenant, &model, &cache_salt);
     // The chain hashed ahead counts only if it started from this salt and

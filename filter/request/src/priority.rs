@@ -13,6 +13,10 @@
 //! top-level `priority`: inserted right after the opening `{`, or, where the
 //! client sent its own, that value replaced, so a client cannot jump the
 //! queue with a raw engine value.
+//!
+//! [`BodyEdit`] is also how `strip_preambles` takes Claude Code's billing
+//! block out of `system` (`crate::preamble`): both may apply to one body, so
+//! each asks for its changes and [`compose`] makes them one rewrite.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -22,7 +26,7 @@ use kvmesh_vocab::limits::{MAX_PRIORITY, MIN_PRIORITY};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::canonical::Envelope;
+use crate::canonical::{Api, Envelope};
 use crate::identity::{Headers, Identity};
 
 /// The engines whose priority field the filter can write.
@@ -258,8 +262,14 @@ pub fn engine_priority_json(engine: Engine, priority: i32) -> String {
 pub struct BodyEdit {
     pub replace: usize,
     pub with: Vec<u8>,
+    /// The request's priority is written in its engine's field
+    /// (`priority_field`).
+    pub priority: bool,
     /// Top-level `priority` members of the client's that were replaced.
     pub replaced: usize,
+    /// Claude Code's billing block is taken out of `system`
+    /// (`strip_preambles`).
+    pub preamble: bool,
 }
 
 impl BodyEdit {
@@ -276,40 +286,104 @@ impl BodyEdit {
     }
 }
 
-/// The edit writing `value` (JSON) as the body's top-level `priority`;
-/// `None` for a body cut at the parse cap, whose members after the cut are
-/// unknown (a client's `priority` there would win over an inserted one).
+/// One change a setting asks of the body: the bytes of `range` become `with`.
+#[derive(Debug)]
+struct Splice {
+    range: Range<usize>,
+    with: Vec<u8>,
+}
+
+/// The edit writing `value` (JSON) as the body's top-level `priority`
+/// alone (see [`compose`]).
+#[cfg(test)]
 pub(crate) fn edit(envelope: &Envelope<'_>, value: &str) -> Option<BodyEdit> {
+    compose(Api::ChatCompletions, envelope, Some(value), false)
+}
+
+/// The one rewrite doing what the settings ask of a body of `api`: write
+/// `priority` (JSON) as its top-level `priority`, and with `strip_preambles`
+/// take the billing block out of a Messages `system`. `None` when nothing is
+/// to change, and for a body cut at the parse cap, whose members after the
+/// cut are unknown (a client's `priority` there would win over an inserted
+/// one, a later `system` over the one stripped).
+pub(crate) fn compose(
+    api: Api,
+    envelope: &Envelope<'_>,
+    priority: Option<&str>,
+    strip_preambles: bool,
+) -> Option<BodyEdit> {
     if envelope.truncated() {
         return None;
     }
     let body = envelope.body();
-    let spans: Vec<Range<usize>> = envelope.spans_of("priority");
-    let Some(last) = spans.last() else {
-        // Right after the opening brace: what precedes it is whitespace.
-        let open = body.iter().position(|&b| b == b'{')?;
-        let mut with = body.get(..=open)?.to_vec();
-        with.extend_from_slice(b"\"priority\":");
-        with.extend_from_slice(value.as_bytes());
-        if !envelope.is_empty() {
-            with.push(b',');
+    let mut splices = Vec::new();
+    let mut replaced = 0;
+    if let Some(value) = priority {
+        replaced = priority_splices(envelope, value, &mut splices)?;
+    }
+    let mut preamble = false;
+    if strip_preambles && api == Api::Messages {
+        // The member the engine reads: the last, in any spelling of its key.
+        let billing = envelope
+            .spans_of("system")
+            .pop()
+            .and_then(|system| crate::preamble::billing_block(body, system));
+        if let Some(range) = billing {
+            splices.push(Splice {
+                range,
+                with: Vec::new(),
+            });
+            preamble = true;
         }
-        return Some(BodyEdit {
-            replace: open + 1,
-            with,
-            replaced: 0,
-        });
-    };
-    let mut with = Vec::with_capacity(last.end + value.len() * spans.len());
+    }
+    if splices.is_empty() {
+        return None;
+    }
+    // The brace, the top-level `priority` values and bytes inside `system`
+    // never overlap; a body where they would is left as it is (the copy
+    // between two overlapping changes is an inverted range: `None`).
+    splices.sort_by_key(|splice| (splice.range.start, splice.range.end));
+    let end = splices.last().map_or(0, |splice| splice.range.end);
+    let mut with = Vec::with_capacity(end + splices.iter().map(|s| s.with.len()).sum::<usize>());
     let mut at = 0;
-    for span in &spans {
-        with.extend_from_slice(body.get(at..span.start)?);
-        with.extend_from_slice(value.as_bytes());
-        at = span.end;
+    for splice in &splices {
+        with.extend_from_slice(body.get(at..splice.range.start)?);
+        with.extend_from_slice(&splice.with);
+        at = splice.range.end;
     }
     Some(BodyEdit {
         replace: at,
         with,
-        replaced: spans.len(),
+        priority: priority.is_some(),
+        replaced,
+        preamble,
     })
+}
+
+/// Adds the changes writing `value` as the top-level `priority`: right
+/// after the opening brace, or in place of each value the client sent.
+/// Returns how many it replaced.
+fn priority_splices(envelope: &Envelope<'_>, value: &str, splices: &mut Vec<Splice>) -> Option<usize> {
+    let body = envelope.body();
+    let spans: Vec<Range<usize>> = envelope.spans_of("priority");
+    if spans.is_empty() {
+        // Right after the opening brace: what precedes it is whitespace.
+        let open = body.iter().position(|&b| b == b'{')?;
+        let mut with = b"\"priority\":".to_vec();
+        with.extend_from_slice(value.as_bytes());
+        if !envelope.is_empty() {
+            with.push(b',');
+        }
+        splices.push(Splice {
+            range: open + 1..open + 1,
+            with,
+        });
+        return Some(0);
+    }
+    let replaced = spans.len();
+    splices.extend(spans.into_iter().map(|range| Splice {
+        range,
+        with: value.as_bytes().to_vec(),
+    }));
+    Some(replaced)
 }

@@ -81,6 +81,49 @@ fn agent_chat(turns: usize, model_first: bool, tools: bool) -> Vec<u8> {
     .into_bytes()
 }
 
+/// A Codex-like Responses body: its tools in an `additional_tools` input
+/// item or in `tools`, every item with a client-made `id` (or none), now
+/// and then an `item_reference`; `model_first` as in [`agent_chat`].
+fn codex_input(turns: usize, tools_item: bool, ids: bool, model_first: bool) -> Vec<u8> {
+    let id = |prefix: &str, n: usize| {
+        if ids {
+            json!(format!("{prefix}_{n:04}"))
+        } else {
+            Value::Null
+        }
+    };
+    let tools = json!([{"type": "function", "name": "exec", "description": "Run \"code\".\n".repeat(8)}]);
+    let mut input = Vec::new();
+    if tools_item {
+        input.push(json!({"type": "additional_tools", "id": id("at", 0), "role": "developer", "tools": tools}));
+    }
+    input.push(json!({"type": "message", "id": id("msg", 1), "role": "developer",
+        "content": [{"type": "input_text", "text": "You are Codex.\n".repeat(20)}]}));
+    for turn in 0..turns {
+        input.push(
+            json!({"type": "function_call", "id": id("fc", turn), "call_id": format!("call_{turn}"),
+            "name": "exec", "arguments": format!("{{\"cmd\":\"echo {turn}\"}}")}),
+        );
+        input.push(json!({"id": id("fco", turn), "type": "function_call_output",
+            "call_id": format!("call_{turn}"), "output": "ok\n".repeat(10)}));
+        if turn % 3 == 2 {
+            input.push(json!({"type": "item_reference", "id": format!("msg_{turn}")}));
+        }
+    }
+    let input = serde_json::to_string(&input).unwrap().replace(r#""id":null,"#, "");
+    let tools = if tools_item {
+        String::new()
+    } else {
+        format!(r#","tools":{tools}"#)
+    };
+    if model_first {
+        format!(r#"{{"model":"gpt-x","stream":true,"input":{input}{tools},"store":false}}"#)
+    } else {
+        format!(r#"{{"store":false,"input":{input}{tools},"model":"gpt-x"}}"#)
+    }
+    .into_bytes()
+}
+
 fn fixture_bodies() -> Vec<(Api, Vec<u8>)> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let mut bodies = Vec::new();
@@ -153,6 +196,23 @@ fn declared_horizons_and_priority_edits_match_the_one_shot_path() {
             assert!(fed.body_edit.is_some());
         }
     }
+}
+
+#[test]
+fn codex_items_without_their_ids_are_hashed_ahead() {
+    // Ids left out and the tools item as the tools section: the parts are
+    // still written as they arrive, and the chain hashed ahead is kept.
+    let config = FilterConfig::default();
+    let body = codex_input(30, true, true, true);
+    let cuts: Vec<usize> = (0..body.len()).step_by(500).collect();
+    let (fed, kept) = chunked(Api::Responses, &body, &cuts, false, &config, Some("gpt-x"));
+    let fed = fed.unwrap();
+    assert_eq!(
+        Ok(fed.clone()),
+        understand(Api::Responses, &headers(), &body, false, &config)
+    );
+    assert_eq!(fed.sections[0].kind, SectionKind::Tools);
+    assert!(kept > fed.hashes.stream_bytes as usize / 2, "{kept}");
 }
 
 #[test]
@@ -254,8 +314,15 @@ fn arb_body() -> impl Strategy<Value = (Api, Vec<u8>)> {
         )
     });
     let fixture = (0..fixtures.len()).prop_map(move |i| fixtures[i].clone());
-    (prop_oneof![agent, fixture], any::<u8>(), any::<usize>(), any::<u8>()).prop_map(
-        |((api, mut body), mutate, at, byte)| {
+    let codex = (1usize..8, any::<bool>(), any::<bool>(), any::<bool>())
+        .prop_map(|(turns, item, ids, model_first)| (Api::Responses, codex_input(turns, item, ids, model_first)));
+    (
+        prop_oneof![agent, fixture, codex],
+        any::<u8>(),
+        any::<usize>(),
+        any::<u8>(),
+    )
+        .prop_map(|((api, mut body), mutate, at, byte)| {
             // Now and then a body is cut or has one byte changed.
             let at = at % (body.len() + 1);
             match mutate % 8 {
@@ -264,8 +331,7 @@ fn arb_body() -> impl Strategy<Value = (Api, Vec<u8>)> {
                 _ => {}
             }
             (api, body)
-        },
-    )
+        })
 }
 
 proptest! {
@@ -279,11 +345,13 @@ proptest! {
         likely in prop_oneof![Just(None), Just(Some("qwen3")), Just(Some("claude-sonnet-4-5"))],
         small in any::<bool>(),
         rewrite in any::<bool>(),
+        strip in any::<bool>(),
     ) {
         let mut config = if small { small_blocks() } else { FilterConfig::default() };
         if rewrite {
             config.priority_field = serde_json::from_value(json!({"engine": "vllm"})).ok();
         }
+        config.strip_preambles = strip;
         let api = if as_api { api } else { Api::Responses };
         for truncated in [false, true] {
             let one_shot = understand(api, &headers(), &body, truncated, &config);

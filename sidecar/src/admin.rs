@@ -73,6 +73,10 @@ fn metrics_text(shared: &Shared) -> String {
     let (workers, sizes) = {
         let router = shared.router();
         let index = router.index();
+        // Router first, then the ledger: the order `Shared` documents. One
+        // guard: a second lock of the ledger in the same expression would
+        // wait on the first forever.
+        let insights = shared.insights();
         (
             router.workers_at(now_ms()),
             crate::metrics::StateSizes {
@@ -80,8 +84,9 @@ fn metrics_text(shared: &Shared) -> String {
                 index_entries: index.entries(),
                 index_bytes: index.memory_bytes(),
                 models: router.models(),
-                // Router first, then the ledger: the order `Shared` documents.
-                trace_bytes: shared.insights().trace_memory_bytes(),
+                trace_carriers: router.sessions().traces(),
+                trace_bytes: insights.trace_memory_bytes(),
+                lane_sessions: insights.lane_sessions(),
             },
         )
     };
@@ -103,7 +108,8 @@ const PAGE_MAX: usize = 10_000;
 /// Sessions copied per hold of the router's lock: about 0.1 ms.
 const ROWS_PER_LOCK: usize = 1000;
 
-/// Session ids, homes and idle times: ids and counts only, never prompt text.
+/// Session ids, homes, idle times, parents, harnesses and calls by lane:
+/// ids and counts only, never prompt text.
 ///
 /// Every Pick waits on the router's lock, so this takes it for at most
 /// [`ROWS_PER_LOCK`] sessions at a time, walking the session table from
@@ -112,7 +118,9 @@ const ROWS_PER_LOCK: usize = 1000;
 /// fetched in a loop held Picks to about 25/s). A session seen again while
 /// the page is read moves to the front and may drop out of a deep page.
 /// The idle sessions are the ledger's last tick's list, which holds the
-/// largest [`kvmesh_core::IDLE_LIST_MAX`].
+/// largest [`kvmesh_core::IDLE_LIST_MAX`]. The harness and calls by lane
+/// are the ledger's, read after the router's lock is released,
+/// [`ROWS_PER_LOCK`] sessions per hold of the ledger's lock.
 async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> Result<impl IntoResponse, StatusCode> {
     off_workers(move || axum::Json(sessions_page(&shared, &page))).await
 }
@@ -128,7 +136,7 @@ fn sessions_page(shared: &Shared, page: &Page) -> serde_json::Value {
     };
     let mut cursor = u64::MAX;
     let mut skip = offset.min(total);
-    let mut rows: Vec<(String, Option<String>, u64, Option<String>)> = Vec::with_capacity(limit.min(total));
+    let mut rows: Vec<SessionRow> = Vec::with_capacity(limit.min(total));
     while rows.len() < limit {
         let router = shared.router();
         let table = router.sessions();
@@ -141,13 +149,12 @@ fn sessions_page(shared: &Shared, page: &Page) -> serde_json::Value {
         if skip > 0 {
             skip -= found.len();
         } else {
-            rows.extend(found.iter().map(|&(id, home, seen)| {
-                (
-                    id.to_owned(),
-                    addresses.get(home.0).cloned(),
-                    now.saturating_sub(seen),
-                    table.parent(id).map(str::to_owned),
-                )
+            rows.extend(found.iter().map(|&(id, home, seen)| SessionRow {
+                session: id.to_owned(),
+                home: addresses.get(home.0).cloned(),
+                idle_ms: now.saturating_sub(seen),
+                parent: table.parent(id).map(str::to_owned),
+                lanes: None,
             }));
         }
         drop(router);
@@ -158,17 +165,17 @@ fn sessions_page(shared: &Shared, page: &Page) -> serde_json::Value {
         cursor = resume;
         crate::state::between_locks();
     }
-    let sessions: Vec<serde_json::Value> = rows
-        .into_iter()
-        .map(|(id, home, idle_ms, parent)| {
-            serde_json::json!({
-                "session": id,
-                "home": home,
-                "idle_ms": idle_ms,
-                "parent": parent,
-            })
-        })
-        .collect();
+    // The ledger after the router, never both at once.
+    for (i, chunk) in rows.chunks_mut(ROWS_PER_LOCK).enumerate() {
+        if i > 0 {
+            crate::state::between_locks();
+        }
+        let insights = shared.insights();
+        for row in chunk {
+            row.lanes = insights.session_lanes(&row.session);
+        }
+    }
+    let sessions: Vec<serde_json::Value> = rows.into_iter().map(SessionRow::into_json).collect();
     // What idle sessions hold while their agents wait on tools.
     shared.fresh_insights();
     let tick = shared.insights().last_tick();
@@ -197,6 +204,39 @@ fn sessions_page(shared: &Shared, page: &Page) -> serde_json::Value {
         "idle_count": tick.idle_count,
         "idle": idle,
     })
+}
+
+/// One session of `/debug/sessions`: the router's view, then the ledger's.
+#[derive(Debug)]
+struct SessionRow {
+    session: String,
+    home: Option<String>,
+    idle_ms: u64,
+    /// As the router resolved it (a parent named by trace is the session
+    /// that carried the trace).
+    parent: Option<String>,
+    /// Its harness and calls by lane, while the ledger follows it.
+    lanes: Option<kvmesh_core::SessionLanes>,
+}
+
+impl SessionRow {
+    /// Its JSON: the fields of earlier versions, then `harness` and
+    /// `lanes` (null and zeros when the ledger no longer follows it).
+    fn into_json(self) -> serde_json::Value {
+        let lanes = self.lanes.unwrap_or_default();
+        let calls: serde_json::Map<String, serde_json::Value> = kvmesh_core::Lane::ALL
+            .iter()
+            .map(|lane| (lane.name().to_owned(), lanes.calls(*lane).into()))
+            .collect();
+        serde_json::json!({
+            "session": self.session,
+            "home": self.home,
+            "idle_ms": self.idle_ms,
+            "parent": self.parent,
+            "harness": self.lanes.map(|l| l.harness.name()),
+            "lanes": calls,
+        })
+    }
 }
 
 #[derive(Debug, serde::Deserialize)]

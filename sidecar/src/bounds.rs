@@ -51,6 +51,9 @@ pub fn check_pick(req: &v1::PickRequest, input: &PickInput<'_>) -> Result<(), Vi
     }
     within("api", req.api.len(), MAX_NAME_BYTES)?;
     within("harness", req.harness.len(), MAX_NAME_BYTES)?;
+    within("lane", req.lane.len(), MAX_NAME_BYTES)?;
+    // `trace_id` is not refused: anything but 32 hex digits is no trace id
+    // (`wire::pick_input`), so it is never kept at any length.
     within("path", req.path.len(), MAX_PATH_BYTES)?;
     within("block_hashes", req.block_hashes.len(), MAX_BLOCKS)?;
     within("sections", req.sections.len(), MAX_SECTIONS)?;
@@ -130,7 +133,7 @@ mod tests {
             ..v1::PickRequest::default()
         };
         assert_eq!(check(&ok), Ok(()));
-        let cases: [(v1::PickRequest, &str); 6] = [
+        let cases: [(v1::PickRequest, &str); 7] = [
             (
                 v1::PickRequest {
                     model: "m".repeat(MAX_ID_BYTES + 1),
@@ -144,6 +147,13 @@ mod tests {
                     ..ok.clone()
                 },
                 "harness",
+            ),
+            (
+                v1::PickRequest {
+                    lane: "l".repeat(MAX_NAME_BYTES + 1),
+                    ..ok.clone()
+                },
+                "lane",
             ),
             (
                 v1::PickRequest {

@@ -51,6 +51,10 @@ pub(crate) struct StateSizes {
     pub(crate) index_bytes: usize,
     pub(crate) models: usize,
     pub(crate) trace_bytes: usize,
+    /// Trace ids remembered to resolve parents named by trace.
+    pub(crate) trace_carriers: usize,
+    /// Sessions whose calls by lane the ledger keeps.
+    pub(crate) lane_sessions: usize,
 }
 
 /// All sidecar metrics. Per-worker gauges are refreshed at scrape time from
@@ -87,6 +91,8 @@ pub(crate) struct Metrics {
     index_bytes: Gauge,
     models: Gauge,
     trace_bytes: Gauge,
+    trace_carriers: Gauge,
+    lane_sessions: Gauge,
     picks_rejected: Family<FieldLabel, Counter>,
     usage_rejected: Family<ReasonLabel, Counter>,
     outcome_fields_dropped: Family<FieldLabel, Counter>,
@@ -289,6 +295,8 @@ impl Metrics {
             index_bytes: Gauge::default(),
             models: Gauge::default(),
             trace_bytes: Gauge::default(),
+            trace_carriers: Gauge::default(),
+            lane_sessions: Gauge::default(),
             picks_rejected: Family::default(),
             usage_rejected: Family::default(),
             outcome_fields_dropped: Family::default(),
@@ -428,6 +436,16 @@ impl Metrics {
             "insight_trace_bytes",
             "Heap bytes of the sessions' last calls kept by the insight ledger (bounded by its budget)",
             m.trace_bytes.clone(),
+        );
+        registry.register(
+            "trace_carriers",
+            "Trace ids remembered with the session that carried them, to resolve parents named by trace (bounded by MAX_TRACE_CARRIERS)",
+            m.trace_carriers.clone(),
+        );
+        registry.register(
+            "insight_lane_sessions",
+            "Sessions whose calls by lane the insight ledger keeps (bounded by its max sessions)",
+            m.lane_sessions.clone(),
         );
         registry.register(
             "picks_rejected",
@@ -574,6 +592,8 @@ impl Metrics {
         self.index_bytes.set(gauge(state.index_bytes));
         self.models.set(gauge(state.models));
         self.trace_bytes.set(gauge(state.trace_bytes));
+        self.trace_carriers.set(gauge(state.trace_carriers));
+        self.lane_sessions.set(gauge(state.lane_sessions));
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);

@@ -240,6 +240,7 @@ pub(crate) fn render_text(report: &AgentReport) -> String {
             b.first_block_max,
         );
     }
+    render_lanes(&mut out, &report.rows);
     if !report.retention.is_empty() {
         let _ = writeln!(out, "\nidle sessions now (KV kept warm while agents wait on tools)");
         for r in &report.retention {
@@ -258,6 +259,38 @@ pub(crate) fn render_text(report: &AgentReport) -> String {
     out
 }
 
+/// Side calls, compactions and trace-named parents, for the rows that
+/// have any: what is placed and counted apart from the conversation.
+fn render_lanes(out: &mut String, rows: &[Row]) {
+    let beside = |f: &Figures| f.side_calls + f.compaction_calls + f.trace_parents + f.unknown_trace_parents > 0;
+    if !rows.iter().any(|row| beside(&row.figures)) {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\nlanes (side calls are placed on their own merits; a compaction starts a new prefix, not a break)"
+    );
+    let _ = writeln!(
+        out,
+        "  {:<16} {:<12} {:>7} {:>11} {:>7} {:>14} {:>14}",
+        "tenant", "harness", "side", "compactions", "epochs", "trace parents", "unknown traces"
+    );
+    for row in rows.iter().filter(|row| beside(&row.figures)) {
+        let f = &row.figures;
+        let _ = writeln!(
+            out,
+            "  {:<16} {:<12} {:>7} {:>11} {:>7} {:>14} {:>14}",
+            clip(&row.tenant, 16),
+            row.harness,
+            f.side_calls,
+            f.compaction_calls,
+            f.prefix_epochs,
+            f.trace_parents,
+            f.unknown_trace_parents,
+        );
+    }
+}
+
 fn clip(s: &str, width: usize) -> String {
     if s.chars().count() <= width {
         s.to_owned()
@@ -265,5 +298,45 @@ fn clip(s: &str, width: usize) -> String {
         let mut cut: String = s.chars().take(width - 1).collect();
         cut.push('…');
         cut
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report_of(totals: Totals) -> AgentReport {
+        let report = Report {
+            window_ms: 60_000,
+            rows: vec![("opencode".to_owned(), "none".to_owned(), totals)],
+            ..Report::default()
+        };
+        to_json(&report, Vec::new())
+    }
+
+    #[test]
+    fn side_calls_and_compactions_get_their_own_lines() {
+        let text = render_text(&report_of(Totals {
+            calls: 5,
+            side_calls: 2,
+            compaction_calls: 1,
+            prefix_epochs: 1,
+            ..Totals::default()
+        }));
+        let line = text
+            .lines()
+            .skip_while(|l| !l.starts_with("lanes"))
+            .find(|l| l.contains("opencode"))
+            .unwrap_or_default();
+        assert_eq!(
+            line.split_whitespace().collect::<Vec<_>>(),
+            ["none", "opencode", "2", "1", "1", "0", "0"],
+            "{text}"
+        );
+        let plain = render_text(&report_of(Totals {
+            calls: 5,
+            ..Totals::default()
+        }));
+        assert!(!plain.contains("\nlanes"), "{plain}");
     }
 }

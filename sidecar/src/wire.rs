@@ -4,10 +4,11 @@
 //! beyond what the proto itself says (0 block bytes is "the default size",
 //! which the core applies).
 
-use kvmesh_core::{Outcome, PickInput, PromptSection, Reason};
+use kvmesh_core::{Outcome, PickInput, PromptSection, Reason, TraceId};
 use kvmesh_proto::v1;
 
-/// The Pick as the core reads it, decided at `now_ms`.
+/// The Pick as the core reads it, decided at `now_ms`. A `trace_id` that is
+/// not exactly 32 hex digits is none; a `lane` no version names is `Main`.
 pub fn pick_input(req: &v1::PickRequest, now_ms: u64) -> PickInput<'_> {
     PickInput {
         block_hashes: &req.block_hashes,
@@ -18,6 +19,8 @@ pub fn pick_input(req: &v1::PickRequest, now_ms: u64) -> PickInput<'_> {
         agent_id: &req.agent_id,
         parent_id: &req.parent_id,
         model: &req.model,
+        lane: req.lane(),
+        trace_id: TraceId::parse(&req.trace_id),
         session_final: req.session_final,
         harness: req.harness(),
         tenant: &req.tenant,
@@ -90,6 +93,33 @@ mod tests {
             (input.session_id, input.agent_id, input.parent_id, input.model),
             ("s", "a", "p", "m")
         );
+    }
+
+    #[test]
+    fn the_lane_and_a_well_formed_trace_id_reach_the_core() {
+        let hex = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let req = v1::PickRequest {
+            lane: "side".into(),
+            trace_id: hex.into(),
+            ..v1::PickRequest::default()
+        };
+        let input = pick_input(&req, 0);
+        assert_eq!(input.lane, kvmesh_core::Lane::Side);
+        assert_eq!(input.trace_id, TraceId::parse(hex));
+        assert!(input.trace_id.is_some());
+        for (lane, trace_id) in [("", "4bf92f35"), ("title", &*format!("{hex}00")), ("main", "")] {
+            let req = v1::PickRequest {
+                lane: lane.into(),
+                trace_id: trace_id.into(),
+                ..v1::PickRequest::default()
+            };
+            let input = pick_input(&req, 0);
+            assert_eq!(
+                (input.lane, input.trace_id),
+                (kvmesh_core::Lane::Main, None),
+                "{lane:?} {trace_id:?}"
+            );
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The admin server's debug pages over a real sidecar: `/debug/sessions`
-//! pages its sessions, newest first, and caps a page whatever is asked;
+//! pages its sessions, newest first, and caps a page whatever is asked,
+//! with each one's harness, calls by lane and resolved parent;
 //! `/debug/report` carries the retention section and `kvmesh-sidecar
 //! report` prices it.
 #![allow(clippy::unwrap_used, clippy::panic)] // test helpers fail loudly by design
@@ -53,6 +54,73 @@ async fn debug_sessions_pages_the_newest_first() {
     assert!(ids(&page("?offset=9")).is_empty());
     // Asking for more than a page may hold is capped, not refused.
     assert_eq!(page("?limit=1000000")["sessions"].as_array().unwrap().len(), 5);
+}
+
+/// `/debug/sessions` shows each session's harness, its calls by lane and
+/// its parent as resolved (a parent named by trace is the session that
+/// carried the trace, an unknown one none), beside what it showed before;
+/// the per-harness counters count side calls and unknown trace parents.
+#[tokio::test]
+async fn debug_sessions_shows_lanes_and_trace_named_parents() {
+    const TURN: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let sidecar = start();
+    let mut client = RouterClient::new(sidecar.channel().await);
+    let openclaw = |session: &str, lane: &str, parent: &str, block: u64| PickRequest {
+        block_hashes: vec![block, block + 1],
+        session_id: session.to_owned(),
+        parent_id: parent.to_owned(),
+        lane: lane.to_owned(),
+        trace_id: TURN.to_owned(),
+        harness: "openclaw".to_owned(),
+        block_bytes: 256,
+        prompt_bytes: 512,
+        ..PickRequest::default()
+    };
+    let by_trace = format!("trace:{TURN}");
+    let unknown = format!("trace:{}", "1".repeat(32));
+    for pick in [
+        openclaw("p", "main", "", 10),
+        openclaw("p", "side", "", 20),
+        openclaw("p", "compaction", "", 10),
+        openclaw("p", "main", "", 30),
+        openclaw("c", "main", &by_trace, 40),
+        openclaw("u", "main", &unknown, 50),
+    ] {
+        client.pick(pick).await.unwrap();
+    }
+    let reply = http_get(&sidecar.admin, "/debug/sessions");
+    let body = reply.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+    let page: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|err| panic!("{err}: {reply}"));
+    // The side call made no session of its own.
+    assert_eq!(page["count"], 3, "{page:#}");
+    let session = |id: &str| -> serde_json::Value {
+        page["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["session"] == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {id} in {page:#}"))
+    };
+    let p = session("p");
+    assert_eq!(p["harness"], "openclaw");
+    assert_eq!(p["lanes"], serde_json::json!({"main": 2, "side": 1, "compaction": 1}));
+    assert!(p["parent"].is_null());
+    // The fields of earlier versions are all still there.
+    for field in ["session", "home", "idle_ms", "parent"] {
+        assert!(p.get(field).is_some(), "{field} in {p}");
+    }
+    assert_eq!(session("c")["parent"], "p");
+    assert!(session("u")["parent"].is_null());
+    assert_eq!(session("u")["lanes"]["main"], 1);
+
+    let series = |name: &str| format!("kvmesh_{name}_total{{harness=\"openclaw\",tenant=\"none\"}}");
+    assert_eq!(sidecar.metric(&series("side_calls")), Some(1.0));
+    assert_eq!(sidecar.metric(&series("compaction_calls")), Some(1.0));
+    assert_eq!(sidecar.metric(&series("prefix_epochs")), Some(1.0));
+    assert_eq!(sidecar.metric(&series("trace_parents")), Some(1.0));
+    assert_eq!(sidecar.metric(&series("unknown_trace_parents")), Some(1.0));
+    assert_eq!(sidecar.metric("kvmesh_trace_carriers"), Some(1.0));
 }
 
 /// `/debug/report` carries the retention section at the extra KV asked

@@ -3,14 +3,16 @@
 //! sidecar owns one `Router` and feeds it Picks, Outcomes and engine
 //! signals; the benchmark drives the very same code.
 //!
-//! Layout: `router` decides (and depends on `index`, `sessions`, `models`,
-//! `usage`, `lru`); `insight` is the ledger, a consumer downstream of the
-//! router that reads only its public record types (`Decision`,
-//! `Holdings`). Nothing the router is made of imports `insight`.
+//! Layout: `router` decides (and depends on `index`, `sessions`,
+//! `lineage`, `models`, `usage`, `lru`); `insight` is the ledger, a
+//! consumer downstream of the router that reads only its public record
+//! types (`Decision`, `Holdings`). Nothing the router is made of imports
+//! `insight`.
 #![forbid(unsafe_code)]
 
 mod index;
 mod insight;
+mod lineage;
 mod lru;
 mod models;
 pub mod retention;
@@ -22,13 +24,14 @@ mod usage;
 pub use index::PrefixIndex;
 pub use insight::{
     BreakPoint, BreakStats, Call, Figure, Figures, Harness, IDLE_LIST_MAX, IdleSession, InsightConfig, Insights,
-    LabelId, MoveReason, NO_TENANT, OTHER_TENANT, PromptSection, Report, Retention, SectionKind, TickPass,
-    TickSnapshot, TickStep, Totals,
+    LabelId, Lane, MoveReason, NO_TENANT, OTHER_TENANT, PromptSection, Report, Retention, SectionKind, SessionLanes,
+    TickPass, TickSnapshot, TickStep, Totals,
 };
+pub use lineage::{MAX_TRACE_CARRIERS, TraceId};
 pub use lru::{Lru, LruMap};
 pub use router::{
-    Cost, Decision, EngineCacheChange, EngineCacheEffect, Holdings, Outcome, PickInput, Reason, Router, RouterConfig,
-    Snapshot, WorkerId, WorkerLoad, WorkerState, WorkerView,
+    Cost, Decision, EngineCacheChange, EngineCacheEffect, Holdings, Outcome, ParentSource, PickInput, Reason, Router,
+    RouterConfig, Snapshot, WorkerId, WorkerLoad, WorkerState, WorkerView,
 };
 pub use seeded::splitmix64;
 pub use sessions::{EXPIRE_STEP, SessionTable};

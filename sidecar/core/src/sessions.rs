@@ -1,8 +1,11 @@
 //! `SessionTable`: each live session's home worker (where its prefix was
 //! last placed), with an idle TTL, and how many live sessions each worker
-//! hosts, which is the load a worker has promised to future calls.
+//! hosts, which is the load a worker has promised to future calls; and each
+//! session's lineage: the parent it declared, and the trace id its current
+//! turn carries (what a subagent named by trace resolves to).
 
 use crate::WorkerId;
+use crate::lineage::{MAX_TRACE_CARRIERS, TraceCarriers, TraceId};
 use crate::lru::LruMap;
 
 #[derive(Debug, Clone)]
@@ -10,6 +13,9 @@ struct Binding {
     home: WorkerId,
     last_seen_ms: u64,
     parent: Option<String>,
+    /// The trace id of its latest main-lane call, whose entry in
+    /// `carriers` goes with the session.
+    trace: Option<TraceId>,
 }
 
 /// Sessions [`SessionTable::expire`] ends per call: about 0.1-0.2 ms.
@@ -23,14 +29,23 @@ pub struct SessionTable {
     bindings: LruMap<String, Binding>,
     /// Live sessions per worker.
     hosted: Vec<u32>,
+    /// The session each remembered trace id names: at most one entry per
+    /// live session (its latest trace), dropped with it.
+    carriers: TraceCarriers,
 }
 
 impl SessionTable {
     pub fn new(max_sessions: usize, ttl_ms: u64) -> Self {
+        Self::with_trace_capacity(max_sessions, ttl_ms, MAX_TRACE_CARRIERS)
+    }
+
+    /// A table remembering at most `traces` trace ids (tests of the bound).
+    pub(crate) fn with_trace_capacity(max_sessions: usize, ttl_ms: u64, traces: usize) -> Self {
         Self {
             ttl_ms,
             bindings: LruMap::new(max_sessions),
             hosted: Vec::new(),
+            carriers: TraceCarriers::new(traces),
         }
     }
 
@@ -48,9 +63,45 @@ impl SessionTable {
         (now_ms.saturating_sub(b.last_seen_ms) <= self.ttl_ms).then_some(b.home)
     }
 
-    /// The parent a session declared, if any.
+    /// The parent a session declared (or that its trace-named parent
+    /// resolved to), if any.
     pub fn parent(&self, session: &str) -> Option<&str> {
         self.bindings.get(session)?.parent.as_deref()
+    }
+
+    /// The live session whose main-lane calls carried `trace` most
+    /// recently, at `now_ms`.
+    pub fn trace_carrier(&self, trace: TraceId, now_ms: u64) -> Option<&str> {
+        self.carriers
+            .carrier(trace)
+            .filter(|session| self.home(session, now_ms).is_some())
+    }
+
+    /// The live `session`'s main-lane call carried `trace`: a subagent
+    /// naming that trace as its parent resolves to it. The session's
+    /// previous trace is forgotten (a session is in one turn at a time).
+    pub fn carry_trace(&mut self, session: &str, trace: TraceId) {
+        let Some(binding) = self.bindings.get_mut(session) else {
+            return;
+        };
+        let previous = binding.trace.replace(trace);
+        if let Some(previous) = previous.filter(|p| *p != trace) {
+            self.carriers.release(previous, session);
+        }
+        self.carriers.claim(trace, session);
+    }
+
+    /// Trace ids remembered (at most `MAX_TRACE_CARRIERS`).
+    pub fn traces(&self) -> usize {
+        self.carriers.len()
+    }
+
+    /// A binding left the table: its trace goes with it.
+    fn forget(&mut self, session: &str, gone: &Binding) {
+        self.count(gone.home, -1);
+        if let Some(trace) = gone.trace {
+            self.carriers.release(trace, session);
+        }
     }
 
     /// Live sessions hosted by `worker`.
@@ -90,11 +141,12 @@ impl SessionTable {
                     home,
                     last_seen_ms: now_ms,
                     parent: parent.filter(|p| !p.is_empty()).map(str::to_owned),
+                    trace: None,
                 };
                 // At the bound, the least recently seen session goes first.
                 let (_, evicted) = self.bindings.insert(session.to_owned(), binding);
-                for (_, gone) in evicted {
-                    self.count(gone.home, -1);
+                for (gone_session, gone) in evicted {
+                    self.forget(&gone_session, &gone);
                 }
                 self.count(home, 1);
             }
@@ -104,7 +156,7 @@ impl SessionTable {
     /// The session ended (`x-dynamo-session-final`) or went idle.
     pub fn end(&mut self, session: &str) {
         if let Some(b) = self.bindings.remove(session) {
-            self.count(b.home, -1);
+            self.forget(session, &b);
         }
     }
 
@@ -129,8 +181,8 @@ impl SessionTable {
             if now_ms.saturating_sub(b.last_seen_ms) <= ttl {
                 break;
             }
-            if let Some((_, gone)) = self.bindings.pop_oldest() {
-                self.count(gone.home, -1);
+            if let Some((gone_session, gone)) = self.bindings.pop_oldest() {
+                self.forget(&gone_session, &gone);
                 ended += 1;
             }
         }

@@ -16,11 +16,19 @@
 //! Its per-session state (`Trace`) is a second session table beside the
 //! router's `SessionTable`, on purpose: it is keyed by session *and model*
 //! (a harness's side calls on another model must not read as breaks of the
-//! main conversation), holds the last call's blocks and sections (which
-//! routing never needs), follows in-flight calls and idle time (which
-//! routing does not), and is fed the fleet's truth in the benchmark, where
-//! the router's table would be one policy's belief. Sharing one table would
-//! put the ledger back under the router's lock.
+//! main conversation, even from a filter that does not tell lanes apart),
+//! holds the last call's blocks and sections (which routing never needs),
+//! follows in-flight calls and idle time (which routing does not), and is
+//! fed the fleet's truth in the benchmark, where the router's table would
+//! be one policy's belief. Sharing one table would put the ledger back
+//! under the router's lock.
+//!
+//! Lanes: a side call (a title, a summary) has no trace, as a call with no
+//! session: it is never compared with the session's prefix nor counted as
+//! its move, only as a side call, per harness and per session (`lanes`).
+//! The main call after a compaction starts a new prefix epoch: it is not
+//! compared with the compacted call's prefix, and counts as an epoch, not
+//! a break.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -29,16 +37,19 @@ use hashbrown::HashMap;
 
 use kvmesh_vocab::limits::MAX_PROMPT_TOKENS;
 
+mod lanes;
 mod totals;
 
 use crate::lru::LruMap;
-use crate::{Decision, Holdings, PickInput, WorkerId};
+use crate::{Decision, Holdings, ParentSource, PickInput, WorkerId};
 
+use lanes::Lanes;
+pub use lanes::SessionLanes;
 pub use totals::{Figure, Figures, Totals};
 
 /// The agent harnesses kvmesh tells apart and the parts of a prompt: the
 /// workspace's one vocabulary (`kvmesh-vocab`).
-pub use kvmesh_vocab::{Harness, SectionKind};
+pub use kvmesh_vocab::{Harness, Lane, SectionKind};
 
 /// Label of requests that name no tenant.
 pub const NO_TENANT: &str = "none";
@@ -273,6 +284,9 @@ pub struct Insights {
     traces: LruMap<String, Trace>,
     /// What `traces` holds, as `trace_bytes` counts it.
     trace_bytes: usize,
+    /// Each session's calls by lane, and whether a compaction ended its
+    /// prefix epoch.
+    lanes: Lanes,
     /// Calls awaiting their outcome, oldest first.
     pending: LruMap<u64, PendingCall>,
     buckets: VecDeque<Bucket>,
@@ -380,6 +394,7 @@ impl Insights {
             totals: HashMap::new(),
             breaks: HashMap::new(),
             trace_bytes: 0,
+            lanes: Lanes::new(config.max_sessions),
             buckets: VecDeque::new(),
             retention: [Retention::default(); Harness::ALL.len()],
             last_tick: Arc::default(),
@@ -480,6 +495,10 @@ impl Insights {
         let tokens = |blocks: usize| (blocks as f64 * block_tokens).min(prompt_tokens);
         let key = trace_key(call.input.routing_key(), call.input.model);
         let now = call.input.now_ms;
+        let lane = call.input.lane;
+        // Every lane counts for its session; the main call after a
+        // compaction rebuilds the history with a new prefix.
+        let new_epoch = self.lanes.count(call.input.session_key(), label.harness, lane, now);
 
         // The previous call of this session, if any.
         let previous = if call.input.routing_key().is_empty() {
@@ -510,12 +529,13 @@ impl Insights {
                     moved = Some(reason);
                 }
             }
-            if !prev.blocks.is_empty() && common < prev.blocks.len() && !grew_in_place(prev, call) {
+            if !new_epoch && !prev.blocks.is_empty() && common < prev.blocks.len() && !grew_in_place(prev, call) {
                 broke = Some((common, break_section(prev, call, common)));
             }
         }
         let continuing = previous.is_some_and(|p| p.worker.is_some()) && placed_worker.is_some();
-        let checked = previous.is_some_and(|p| !p.blocks.is_empty());
+        // A new epoch's prefix is not compared with the compacted one.
+        let checked = !new_epoch && previous.is_some_and(|p| !p.blocks.is_empty());
         let repeated = common.max(reachable_blocks);
         let repeated_bytes = (repeated as u64)
             .saturating_mul(u64::from(call.input.block_bytes()))
@@ -542,6 +562,14 @@ impl Insights {
             }
             if let Some((_, (kind, _))) = broke {
                 t.prefix_breaks[kind as usize] += 1;
+            }
+            t.side_calls += u64::from(lane == Lane::Side);
+            t.compaction_calls += u64::from(lane == Lane::Compaction);
+            t.prefix_epochs += u64::from(new_epoch);
+            match decision.parent_source {
+                ParentSource::Trace => t.trace_parents += 1,
+                ParentSource::UnknownTrace => t.unknown_trace_parents += 1,
+                ParentSource::None | ParentSource::Named => {}
             }
         });
         if let Some((block, (kind, index))) = broke {
@@ -794,6 +822,7 @@ impl Insights {
                 self.uncount_trace(key, &gone);
             }
         }
+        self.lanes.expire(now_ms, ttl);
         match step.resume {
             Some(resume) => {
                 pass.after = resume;
@@ -887,6 +916,17 @@ impl Insights {
     /// Sessions followed.
     pub fn sessions(&self) -> usize {
         self.traces.len()
+    }
+
+    /// `session`'s calls by lane and its latest harness, while it is
+    /// followed.
+    pub fn session_lanes(&self, session: &str) -> Option<SessionLanes> {
+        self.lanes.get(session)
+    }
+
+    /// Sessions whose calls by lane are kept (at most `max_sessions`).
+    pub fn lane_sessions(&self) -> usize {
+        self.lanes.len()
     }
 
     /// The totals and break points of the last `window_ms`.

@@ -73,6 +73,21 @@ totals! {
         pub prefix_checks: u64,
         /// Those whose prefix broke, by [`SectionKind::ALL`] order.
         pub prefix_breaks: [u64; SectionKind::ALL.len()],
+        /// Side calls of a session (a title, a summary): placed on their own
+        /// merits, never compared with the session's prefix nor counted as
+        /// its move.
+        pub side_calls: u64,
+        /// Calls that compacted their session's conversation.
+        pub compaction_calls: u64,
+        /// Main calls that began a new prefix after their session's
+        /// compaction: not compared with the previous prefix, so never a
+        /// break.
+        pub prefix_epochs: u64,
+        /// Calls whose parent was named by trace and resolved to a session,
+        /// and those whose trace no live session carried (placed with no
+        /// parent).
+        pub trace_parents: u64,
+        pub unknown_trace_parents: u64,
         pub outcomes: u64,
         /// Outcomes that reported usage.
         pub reported_calls: u64,
@@ -217,6 +232,16 @@ figures! {
     same_worker_rate: f64 = Totals::same_worker_rate, None;
     /// Continuing calls whose prefix was compared with the session's previous call
     prefix_checks: u64 = |t| t.prefix_checks as f64, Some("prefix_checks");
+    /// Side calls of a session (a title, a summary, a small model's call), placed on their own merits: never a session's move or prefix break
+    side_calls: u64 = |t| t.side_calls as f64, Some("side_calls");
+    /// Calls that compacted their session's conversation
+    compaction_calls: u64 = |t| t.compaction_calls as f64, Some("compaction_calls");
+    /// Main calls that began a new prefix after their session's compaction, not counted as prefix breaks
+    prefix_epochs: u64 = |t| t.prefix_epochs as f64, Some("prefix_epochs");
+    /// Calls of a subagent whose parent was named by trace and resolved to the session that carried it
+    trace_parents: u64 = |t| t.trace_parents as f64, Some("trace_parents");
+    /// Calls of a subagent whose parent was named by a trace no live session carried, placed with no parent
+    unknown_trace_parents: u64 = |t| t.unknown_trace_parents as f64, Some("unknown_trace_parents");
     /// Estimated GPU prefill time saved by cached tokens, at each worker's prefill rate
     gpu_seconds_saved: f64 = |t| t.prefill_saved_ms / 1000.0, Some("prefill_saved_seconds");
     /// Estimated GPU prefill time spent on computed tokens

@@ -4,10 +4,11 @@
 //! router (the insight ledger, the sidecar's metrics) read a `Decision`,
 //! never the router itself.
 
-use kvmesh_vocab::{DEFAULT_BLOCK_BYTES, Harness};
+use kvmesh_vocab::{DEFAULT_BLOCK_BYTES, Harness, Lane};
 
 use super::cost::Cost;
 use super::fleet::WorkerId;
+use crate::lineage::TraceId;
 
 /// Why a worker was chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -50,6 +51,24 @@ impl Reason {
     }
 }
 
+/// Where the parent of a pick's session came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ParentSource {
+    /// The request names no parent (or is a side call, placed on its own
+    /// merits).
+    #[default]
+    None,
+    /// `parent_id` names the parent session.
+    Named,
+    /// `parent_id` names the parent by trace, and a live session's
+    /// main-lane calls carried that trace (or the session resolved it at an
+    /// earlier call).
+    Trace,
+    /// `parent_id` names the parent by trace, and no live session carried
+    /// it: the request is placed with no parent rather than a guessed one.
+    UnknownTrace,
+}
+
 /// What the core needs to know about one request.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PickInput<'a> {
@@ -63,8 +82,18 @@ pub struct PickInput<'a> {
     pub session_id: &'a str,
     /// A subagent's own id: when set, the subagent is the session routed.
     pub agent_id: &'a str,
+    /// The parent session (or agent); `trace:<32 hex>` names it by the
+    /// trace id of the turn that spawned the request.
     pub parent_id: &'a str,
     pub model: &'a str,
+    /// Which lane of its session the request is. A side call (a title, a
+    /// summary) is placed on its own merits, as a request with no session;
+    /// a compaction is placed as the main lane.
+    pub lane: Lane,
+    /// The trace id of the request's `traceparent`, when well formed: a
+    /// main-lane call's names its session for subagents that name their
+    /// parent by it.
+    pub trace_id: Option<TraceId>,
     /// The session ends with this request.
     pub session_final: bool,
     /// The agent harness that sent it: return gaps are learned per harness
@@ -84,8 +113,20 @@ pub struct PickInput<'a> {
 
 impl PickInput<'_> {
     /// The session this request is scheduled as: a subagent's own id, else
-    /// its session's.
+    /// its session's; none for a side call, which shares the session's id
+    /// but not its prompt, so it must neither follow the session's worker
+    /// nor move it.
     pub fn routing_key(&self) -> &str {
+        if self.lane == Lane::Side {
+            ""
+        } else {
+            self.session_key()
+        }
+    }
+
+    /// The session this request belongs to, whatever its lane: a
+    /// subagent's own id, else its session's.
+    pub fn session_key(&self) -> &str {
         if self.agent_id.is_empty() {
             self.session_id
         } else {
@@ -153,6 +194,9 @@ pub struct Decision {
     /// The session's home and its parent's home when the choice was made.
     pub home: Option<WorkerId>,
     pub parent_home: Option<WorkerId>,
+    /// Where the session's parent came from (a parent named by trace may
+    /// resolve to no session).
+    pub parent_source: ParentSource,
 }
 
 impl Decision {

@@ -35,7 +35,15 @@
 //!
 //! A subagent is its own session; the first call of a child is seeded on
 //! its parent's worker when costs tie, and spills to the next cheapest
-//! worker once the parent's worker is loaded (hot-prefix replication).
+//! worker once the parent's worker is loaded (hot-prefix replication). A
+//! parent named by trace (`trace:<32 hex>`, OpenClaw's) is the live session
+//! whose main-lane calls carried that trace id (`lineage`); when none did,
+//! the child has no parent.
+//!
+//! A session's side calls (a title, a summary: its id, another prompt) are
+//! placed as requests with no session: by prefix and load only, never
+//! moving the session's home nor releasing its pending pick. A compaction
+//! call is placed as the main lane.
 //!
 //! The router's jobs, one file each: `fleet` (workers, their load and the
 //! picks awaiting outcomes), `cost` (the formula and the ranking),
@@ -51,18 +59,22 @@ mod fleet;
 pub(crate) mod learning;
 mod snapshot;
 
+use std::borrow::Cow;
+
 use hashbrown::HashMap;
 
+use kvmesh_vocab::Lane;
 use kvmesh_vocab::limits::MAX_PROMPT_TOKENS;
 
 use crate::index::PrefixIndex;
+use crate::lineage::ParentName;
 use crate::lru::LruMap;
 use crate::models::ModelRates;
 use crate::retention::{Eviction, RetentionValues};
 use crate::sessions::SessionTable;
 
 pub use cost::Cost;
-pub use decision::{Decision, Outcome, PickInput, Reason};
+pub use decision::{Decision, Outcome, ParentSource, PickInput, Reason};
 pub use engine_events::{EngineCacheChange, EngineCacheEffect};
 pub use fleet::{Holdings, WorkerId, WorkerLoad, WorkerState, WorkerView};
 pub use snapshot::Snapshot;
@@ -217,6 +229,17 @@ pub struct Router {
     scratch: PickScratch,
 }
 
+/// The parent of a pick's session, as `Router::lineage_of` found it.
+#[derive(Debug, Default)]
+struct Lineage<'a> {
+    /// The parent's home, while the parent is live.
+    home: Option<WorkerId>,
+    source: ParentSource,
+    /// The parent for the session to record if it has none yet: `None`
+    /// when there is none, or when the session recorded it already.
+    to_record: Option<Cow<'a, str>>,
+}
+
 /// Buffers a Pick fills and empties again, kept so that a Pick allocates
 /// only what its `Decision` carries out.
 #[derive(Debug, Default)]
@@ -298,9 +321,8 @@ impl Router {
         let home = (!key.is_empty())
             .then(|| self.sessions.home(key, input.now_ms))
             .flatten();
-        let parent_home = (!input.parent_id.is_empty())
-            .then(|| self.sessions.home(input.parent_id, input.now_ms))
-            .flatten();
+        let lineage = self.lineage_of(&input);
+        let parent_home = lineage.home;
 
         let bytes_per_token = self.bytes_per_token(input.model);
         let block_bytes = input.block_bytes();
@@ -401,6 +423,7 @@ impl Router {
             request_tokens,
             home,
             parent_home,
+            parent_source: lineage.source,
             ..Decision::default()
         };
         let ranked = self.config.ranked_destinations.max(1);
@@ -449,7 +472,13 @@ impl Router {
         let uncached = request_tokens
             - cost::credited_cached_tokens(&self.config, chosen.overlap, chosen_host, block_tokens, request_tokens);
         self.note_block_size(chosen.id, block_bytes, input.model);
-        self.place(chosen.id, full, full.len().saturating_sub(chosen.overlap), &input);
+        self.place(
+            chosen.id,
+            full,
+            full.len().saturating_sub(chosen.overlap),
+            lineage.to_record.as_deref(),
+            &input,
+        );
         self.charge(
             &decision,
             Pending {
@@ -470,9 +499,63 @@ impl Router {
         decision
     }
 
+    /// The lineage of the request's session: its parent's home, where the
+    /// parent came from, and the parent to record for a session that has
+    /// none yet. A side call has none: it is placed on its own merits.
+    fn lineage_of<'a>(&self, input: &PickInput<'a>) -> Lineage<'a> {
+        let now_ms = input.now_ms;
+        if input.lane == Lane::Side {
+            return Lineage::default();
+        }
+        match ParentName::of(input.parent_id) {
+            ParentName::None => Lineage::default(),
+            ParentName::Session(parent) => Lineage {
+                home: self.sessions.home(parent, now_ms),
+                source: ParentSource::Named,
+                to_record: Some(Cow::Borrowed(parent)),
+            },
+            ParentName::Trace(trace) => {
+                let key = input.routing_key();
+                // Every call of a subagent names the same parent turn: the
+                // parent resolved at its first call stands (the turn's trace
+                // is forgotten once the parent's next turn begins), and is
+                // not copied again.
+                if let Some(recorded) = (!key.is_empty()).then(|| self.sessions.parent(key)).flatten() {
+                    return Lineage {
+                        home: self.sessions.home(recorded, now_ms),
+                        source: ParentSource::Trace,
+                        to_record: None,
+                    };
+                }
+                let carrier = trace
+                    .and_then(|trace| self.sessions.trace_carrier(trace, now_ms))
+                    // A session is never its own parent.
+                    .filter(|carrier| *carrier != key);
+                match carrier {
+                    Some(parent) => Lineage {
+                        home: self.sessions.home(parent, now_ms),
+                        source: ParentSource::Trace,
+                        to_record: Some(Cow::Owned(parent.to_owned())),
+                    },
+                    None => Lineage {
+                        source: ParentSource::UnknownTrace,
+                        ..Lineage::default()
+                    },
+                }
+            }
+        }
+    }
+
     /// The engine will hold the request's full blocks once it prefills them,
     /// and the session's next call should find them there.
-    fn place(&mut self, id: WorkerId, full_blocks: &[u64], new_blocks: usize, input: &PickInput<'_>) {
+    fn place(
+        &mut self,
+        id: WorkerId,
+        full_blocks: &[u64],
+        new_blocks: usize,
+        parent: Option<&str>,
+        input: &PickInput<'_>,
+    ) {
         self.index.insert(id, full_blocks);
         let key = input.routing_key();
         self.retention.on_pick(
@@ -488,12 +571,15 @@ impl Router {
         if input.session_final {
             self.sessions.end(key);
         } else {
-            let parent = if input.parent_id.is_empty() {
-                None
-            } else {
-                Some(input.parent_id)
-            };
             self.sessions.bind(key, parent, id, input.now_ms);
+            // The trace of a call that names no parent is its own turn's
+            // (a subagent's carries its parent's turn, which it must not
+            // claim); a side call has no key and claims nothing.
+            if let Some(trace) = input.trace_id
+                && input.parent_id.is_empty()
+            {
+                self.sessions.carry_trace(key, trace);
+            }
         }
     }
 }

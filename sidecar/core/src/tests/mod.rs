@@ -5,6 +5,8 @@ mod host_tier;
 mod index_memory;
 mod index_model;
 mod insight_ledger;
+mod lanes;
+mod lineage;
 mod retention;
 mod tick_steps;
 mod wire_numbers;

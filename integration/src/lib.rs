@@ -5,6 +5,7 @@
 
 pub mod cluster;
 pub mod envoy_config;
+pub mod harnesses;
 pub mod istio;
 pub mod paths;
 pub mod process;

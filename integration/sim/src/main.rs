@@ -107,6 +107,9 @@ const RECORDED_BODY_BYTES_MAX: usize = 64 << 20;
 /// One inference request as it arrived (`GET /admin/requests`).
 #[derive(Debug, Clone)]
 struct Recorded {
+    /// When it arrived, in microseconds since the Unix epoch: a test orders
+    /// the requests of several workers by it.
+    received_us: u128,
     path: String,
     headers: Vec<(String, String)>,
     body: Bytes,
@@ -313,6 +316,7 @@ fn record(app: &App, uri: &axum::http::Uri, headers: &HeaderMap, body: &Bytes) {
         return;
     }
     let request = Recorded {
+        received_us: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |since| since.as_micros()),
         path: uri
             .path_and_query()
             .map_or_else(|| uri.path().to_owned(), ToString::to_string),
@@ -338,7 +342,7 @@ fn record(app: &App, uri: &axum::http::Uri, headers: &HeaderMap, body: &Bytes) {
 }
 
 /// `GET /admin/requests`: the recorded requests, oldest first, each
-/// `{"path", "headers": [[name, value]], "body"}`, the body as the text it
+/// `{"received_us", "path", "headers": [[name, value]], "body"}`, the body as the text it
 /// was (not re-serialised: a test hashes the bytes the client sent).
 async fn recorded_requests(State(app): State<App>) -> Response {
     let recorded: Vec<Recorded> = app
@@ -350,7 +354,7 @@ async fn recorded_requests(State(app): State<App>) -> Response {
         .collect();
     let requests: Vec<Value> = recorded
         .into_iter()
-        .map(|r| json!({"path": r.path, "headers": r.headers, "body": String::from_utf8_lossy(&r.body)}))
+        .map(|r| json!({"received_us": r.received_us, "path": r.path, "headers": r.headers, "body": String::from_utf8_lossy(&r.body)}))
         .collect();
     axum::Json(Value::Array(requests)).into_response()
 }

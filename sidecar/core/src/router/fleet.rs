@@ -149,6 +149,11 @@ pub(super) struct Pending {
     pub(super) uncached_tokens: f64,
     pub(super) request_tokens: f64,
     pub(super) predicted_blocks: usize,
+    /// Placed on its own session's home: the blocks predicted cached there
+    /// are this conversation's earlier prompt, templated by the engine the
+    /// same way. Only then is a shortfall evidence of eviction (see
+    /// `Router::report`).
+    pub(super) on_home: bool,
     pub(super) block_bytes: u32,
     pub(super) prompt_bytes: u64,
     pub(super) truncated: bool,

@@ -36,8 +36,9 @@ const PREDICTION_MARGIN_BLOCKS: usize = 2;
 impl Router {
     /// Applies the outcome of a pick; unknown or repeated picks are ignored.
     ///
-    /// The closed loop: when the engine cached fewer tokens than predicted,
-    /// the model's picture of that worker is too big. Dropping just the
+    /// The closed loop: when the engine cached fewer tokens than predicted
+    /// for a call placed on its session's home, the model's picture of that
+    /// worker is too big. Dropping just the
     /// missing blocks changes nothing (the request re-inserts them), so the
     /// shortfall is taken as evidence about the worker's effective capacity:
     /// under LRU, if the engine lost blocks the model still had, it lost
@@ -100,7 +101,18 @@ impl Router {
             let len = self.index.len(worker);
             let capacity = self.index.capacity(worker);
             let margin = p.predicted_blocks / PREDICTION_MARGIN_DIVISOR + PREDICTION_MARGIN_BLOCKS;
-            if cached_blocks + margin < p.predicted_blocks {
+            // A shortfall shrinks the worker only on a session's own home.
+            // Elsewhere the predicted blocks were another conversation's:
+            // kvmesh's canonical stream puts the tools before the system
+            // prompt, most chat templates put the system text first, so two
+            // sessions whose tools match and whose system prompts differ
+            // (Claude Code's carries the user's home directory) share blocks
+            // in kvmesh's picture that the engine never shared. Measured with
+            // the real Claude Code 2.1.197 on three simulated workers: the
+            // shortfall on two new sessions' first calls shrank the worker
+            // they shared, and their second calls moved away from the KV
+            // their first calls had just computed (`eviction` moves).
+            if p.on_home && cached_blocks + margin < p.predicted_blocks {
                 let shortfall = p.predicted_blocks - cached_blocks;
                 let survive = len.saturating_sub(shortfall).max(1);
                 self.index.set_capacity(worker, survive.min(capacity));

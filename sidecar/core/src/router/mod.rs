@@ -486,6 +486,7 @@ impl Router {
                 uncached_tokens: uncached,
                 request_tokens,
                 predicted_blocks: chosen.overlap,
+                on_home: home == Some(chosen.id),
                 block_bytes,
                 prompt_bytes: input.prompt_bytes,
                 truncated: input.truncated,

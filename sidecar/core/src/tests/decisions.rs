@@ -248,6 +248,38 @@ fn a_shortfall_shrinks_the_worker_and_a_surplus_grows_it_back() {
 }
 
 #[test]
+fn a_shortfall_on_another_sessions_blocks_does_not_shrink_the_worker() {
+    let mut r = router(1);
+    for s in 0..10u64 {
+        let d = pick(&mut r, &blocks(s, 100), &format!("s{s}"));
+        done(&mut r, &d);
+    }
+    let w = WorkerId(0);
+    let capacity = r.index().capacity(w);
+    // A new session whose prompt kvmesh sees as s9's: the engine, whose
+    // template orders the prompt otherwise, had only 10 of the blocks.
+    let d = pick(&mut r, &blocks(9, 100), "new");
+    assert_eq!(d.predicted_cached_blocks, 100);
+    r.report(Outcome {
+        pick_id: d.pick_id,
+        prompt_tokens: Some(6400),
+        cached_tokens: Some(640),
+        ..Outcome::default()
+    });
+    assert_eq!(r.index().len(w), 1000, "evicted on another session's blocks");
+    assert_eq!(r.index().capacity(w), capacity);
+    // The same shortfall on the session's own home is evidence: it shrinks.
+    let again = pick(&mut r, &blocks(9, 100), "new");
+    r.report(Outcome {
+        pick_id: again.pick_id,
+        prompt_tokens: Some(6400),
+        cached_tokens: Some(640),
+        ..Outcome::default()
+    });
+    assert_eq!(r.index().capacity(w), 910);
+}
+
+#[test]
 fn bytes_per_token_are_learned_per_model() {
     let mut r = router(1);
     for _ in 0..30 {

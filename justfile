@@ -23,7 +23,7 @@ demo: build
 
 # The whole suite, as CI runs it: formatting, lints, codegen drift, unit and end-to-end tests.
 # Every test binary runs (no stop at the first failure); a summary of what failed ends the output.
-test *args: check-fmt clippy check-codegen build build-release setup-vllm setup-bench-clients
+test *args: check-fmt clippy check-codegen build build-release setup-vllm setup-bench-clients setup-harnesses
     integration/suite/run.sh {{args}}
 
 # The whole suite while a busy loop holds one core (KVMESH_BUSY_LOOPS=N for more): run it

@@ -20,6 +20,7 @@
 //!
 //! Each test prints one `harness-table:` line, the figures of
 //! docs/harnesses/README.md's table.
+#![allow(clippy::panic)] // a failure panics while the cluster lives, so its logs are kept
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};

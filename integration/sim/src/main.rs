@@ -316,7 +316,9 @@ fn record(app: &App, uri: &axum::http::Uri, headers: &HeaderMap, body: &Bytes) {
         return;
     }
     let request = Recorded {
-        received_us: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |since| since.as_micros()),
+        received_us: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_micros()),
         path: uri
             .path_and_query()
             .map_or_else(|| uri.path().to_owned(), ToString::to_string),

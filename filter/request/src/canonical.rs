@@ -657,7 +657,7 @@ impl Builder<'_, '_> {
 /// On the Responses API, every item is written without its `id` but an
 /// `item_reference`, whose `id` names the item the engine is to read; an
 /// `additional_tools` item is the tools section (Codex sends its tools so
-/// with models that take them in the input: docs/harnesses/README.md), and
+/// with models that take them in the input: docs/harnesses/codex.md), and
 /// does not end the leading run.
 pub(crate) fn item_part(api: Api, body: &[u8], element: Range<usize>, leading: &mut bool) -> (SectionKind, Shape) {
     if api != Api::Responses {

@@ -5,7 +5,7 @@
 //!
 //! Everything kvmesh knows of how each harness marks these calls is here,
 //! with the CLI version it was seen in (captures in
-//! `tests/real-harnesses/`, explained in docs/harnesses/README.md):
+//! `tests/real-harnesses/`, explained per harness in docs/harnesses/):
 //!
 //! | harness | call | what marks it | seen in |
 //! |---|---|---|---|

@@ -1,7 +1,7 @@
 //! Claude Code's billing preamble: the first block of its `system`,
 //! `x-anthropic-billing-header: cc_version=<version>.<3 hex>; cc_entrypoint=…;`,
 //! whose digits differ between sessions with different first prompts
-//! (docs/harnesses/README.md). Left in, it breaks the canonical prefix of
+//! (docs/harnesses/claude-code.md). Left in, it breaks the canonical prefix of
 //! two sessions right after their tools.
 //!
 //! Engines that serve `/v1/messages` strip it before templating, each its own

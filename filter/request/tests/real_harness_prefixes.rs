@@ -211,7 +211,7 @@ fn report_shared_prefixes() {
 
 /// Claude Code's second session as it would be with another first prompt:
 /// another prompt text, and so other digits in the billing line (they
-/// follow the first user message: docs/harnesses/README.md).
+/// follow the first user message: docs/harnesses/claude-code.md).
 fn other_prompt(c: &Capture) -> Capture {
     let text = String::from_utf8(c.body.clone()).unwrap();
     let prompt = "KV1: run echo hi in the shell and tell me what it printed";

@@ -296,7 +296,38 @@ async fn wait_for_requests(cluster: &Cluster, what: &str, done: impl Fn(&[Receiv
     }
 }
 
-async fn drive(cli: Cli, api: ProviderApi) -> anyhow::Result<()> {
+/// How one test runs a CLI.
+#[derive(Debug, Clone, Copy)]
+struct Setting {
+    api: ProviderApi,
+    /// The first session's prompt: one that makes the scripted model spawn a
+    /// subagent (it says KVSPAWN).
+    subagent_prompt: &'static str,
+    /// The prompt of the two sessions run at once.
+    plain_prompt: &'static str,
+    /// The filter's `strip_preambles` (Claude Code's billing line).
+    strip_preambles: bool,
+}
+
+impl Setting {
+    /// What the suite runs: each CLI's usual API, the fixed prompts, and for
+    /// Claude Code the billing line stripped (the simulated engine, unlike
+    /// vLLM's `/v1/messages`, does not strip it).
+    fn suite(cli: Cli) -> Self {
+        Self {
+            api: match cli {
+                Cli::ClaudeCode => ProviderApi::Messages,
+                Cli::Codex => ProviderApi::Responses,
+                Cli::OpenCode | Cli::OpenClaw => ProviderApi::Chat,
+            },
+            subagent_prompt: PROMPT_SUBAGENT,
+            plain_prompt: PROMPT_ONE_TOOL,
+            strip_preambles: cli == Cli::ClaudeCode,
+        }
+    }
+}
+
+async fn drive(cli: Cli, setting: Setting) -> anyhow::Result<()> {
     let options = ClusterOptions {
         sim_args: vec![
             "--time-scale".into(),
@@ -305,21 +336,19 @@ async fn drive(cli: Cli, api: ProviderApi) -> anyhow::Result<()> {
             "--record-requests".into(),
             RECORDED.into(),
         ],
-        // Claude Code's billing line differs between sessions and the
-        // simulated engine, unlike vLLM's `/v1/messages`, does not strip it:
-        // the filter does (an operator's setting for such engines).
-        plugin: serde_json::json!({"strip_preambles": cli == Cli::ClaudeCode}),
+        plugin: serde_json::json!({"strip_preambles": setting.strip_preambles}),
         ..ClusterOptions::default()
     };
     let cluster = Cluster::start(options.patient()).await?;
-    if let Err(err) = exercise(cli, api, &cluster).await {
+    if let Err(err) = exercise(cli, setting, &cluster).await {
         // A panic, while the cluster lives, keeps its logs (and the CLIs').
         panic!("{err:?}");
     }
     Ok(())
 }
 
-async fn exercise(cli: Cli, api: ProviderApi, cluster: &Cluster) -> anyhow::Result<()> {
+async fn exercise(cli: Cli, setting: Setting, cluster: &Cluster) -> anyhow::Result<()> {
+    let api = setting.api;
     let url = cluster.envoy_url.clone();
     let dir = cluster.dir.join("harness");
     std::fs::create_dir_all(&dir)?;
@@ -336,7 +365,15 @@ async fn exercise(cli: Cli, api: ProviderApi, cluster: &Cluster) -> anyhow::Resu
         _ => None,
     };
     phase("ready");
-    finish(cli.start(&first, &url, PROMPT_SUBAGENT, &format!("{name}-subagent"), &dir, &[])?).await?;
+    finish(cli.start(
+        &first,
+        &url,
+        setting.subagent_prompt,
+        &format!("{name}-subagent"),
+        &dir,
+        &[],
+    )?)
+    .await?;
     if cli == Cli::OpenClaw {
         // The child runs in the gateway after `agent` returns: wait for its
         // final answer (its second call).
@@ -357,7 +394,14 @@ async fn exercise(cli: Cli, api: ProviderApi, cluster: &Cluster) -> anyhow::Resu
             let mut runs = Vec::new();
             for id in ids {
                 let extra = ["--session-id".to_owned(), id.to_owned()];
-                runs.push(cli.start(&first, &url, PROMPT_ONE_TOOL, &format!("{name}-{id}"), &dir, &extra)?);
+                runs.push(cli.start(
+                    &first,
+                    &url,
+                    setting.plain_prompt,
+                    &format!("{name}-{id}"),
+                    &dir,
+                    &extra,
+                )?);
             }
             runs
         }
@@ -366,7 +410,14 @@ async fn exercise(cli: Cli, api: ProviderApi, cluster: &Cluster) -> anyhow::Resu
             for user in ["second", "third"] {
                 let scratch = Scratch::new(&dir, user)?;
                 cli.configure(&scratch, &url, api, &dir)?;
-                runs.push(cli.start(&scratch, &url, PROMPT_ONE_TOOL, &format!("{name}-{user}"), &dir, &[])?);
+                runs.push(cli.start(
+                    &scratch,
+                    &url,
+                    setting.plain_prompt,
+                    &format!("{name}-{user}"),
+                    &dir,
+                    &[],
+                )?);
             }
             runs
         }
@@ -389,7 +440,7 @@ async fn exercise(cli: Cli, api: ProviderApi, cluster: &Cluster) -> anyhow::Resu
         cluster.fail_opens().await? == (0, 0),
         "{name}: calls failed open (round robin), their placement proves nothing"
     );
-    if cli == Cli::ClaudeCode {
+    if cli == Cli::ClaudeCode && setting.strip_preambles {
         // `strip_preambles`: every call carried the billing line, and no
         // call reached a worker with it.
         let stripped = cluster.envoy_counter("wasmcustom.kvmesh.preamble.stripped").await?;
@@ -582,20 +633,48 @@ async fn exercise(cli: Cli, api: ProviderApi, cluster: &Cluster) -> anyhow::Resu
 
 #[tokio::test(flavor = "multi_thread")]
 async fn claude_code_sessions_and_subagent_through_kvmesh() -> anyhow::Result<()> {
-    drive(Cli::ClaudeCode, ProviderApi::Messages).await
+    drive(Cli::ClaudeCode, Setting::suite(Cli::ClaudeCode)).await
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn codex_sessions_and_subagent_through_kvmesh() -> anyhow::Result<()> {
-    drive(Cli::Codex, ProviderApi::Responses).await
+    drive(Cli::Codex, Setting::suite(Cli::Codex)).await
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn opencode_sessions_subagent_and_title_calls_through_kvmesh() -> anyhow::Result<()> {
-    drive(Cli::OpenCode, ProviderApi::Chat).await
+    drive(Cli::OpenCode, Setting::suite(Cli::OpenCode)).await
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn openclaw_sessions_and_subagent_through_kvmesh() -> anyhow::Result<()> {
-    drive(Cli::OpenClaw, ProviderApi::Chat).await
+    drive(Cli::OpenClaw, Setting::suite(Cli::OpenClaw)).await
+}
+
+/// A check against prompts and settings the tests above do not use (run by
+/// hand, `cargo test -p kvmesh-integration --test harnesses -- --ignored
+/// --nocapture`; its findings are in docs/harnesses/README.md): other
+/// wording, Claude Code with the billing line left in, OpenCode over
+/// Responses, OpenClaw over Messages.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a hand-run check; its figures are in docs/harnesses/README.md"]
+async fn harnesses_with_other_prompts_and_settings() -> anyhow::Result<()> {
+    const SPAWN: &str =
+        "KVSPAWN: look at README.md with the shell, ask a helper agent to double-check it, then summarise";
+    const PLAIN: &str = "What is in this repository? Use the shell to look.";
+    for (cli, api) in [
+        (Cli::ClaudeCode, ProviderApi::Messages),
+        (Cli::Codex, ProviderApi::Responses),
+        (Cli::OpenCode, ProviderApi::Responses),
+        (Cli::OpenClaw, ProviderApi::Messages),
+    ] {
+        let setting = Setting {
+            api,
+            subagent_prompt: SPAWN,
+            plain_prompt: PLAIN,
+            strip_preambles: false,
+        };
+        drive(cli, setting).await?;
+    }
+    Ok(())
 }

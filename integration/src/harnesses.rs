@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 
-use crate::paths;
+use kvmesh_vocab::Harness;
+
+use crate::paths::{self, copy_dir};
 use crate::process::{Process, SpawnOptions};
 
 /// The versions `integration/harnesses/setup.sh` pins (docs/testing.md).
@@ -226,13 +228,19 @@ fn spawn(
 }
 
 impl Cli {
-    pub fn name(self) -> &'static str {
+    /// The harness kvmesh should recognise the CLI as.
+    pub fn harness(self) -> Harness {
         match self {
-            Self::ClaudeCode => "claude_code",
-            Self::Codex => "codex",
-            Self::OpenCode => "opencode",
-            Self::OpenClaw => "openclaw",
+            Self::ClaudeCode => Harness::ClaudeCode,
+            Self::Codex => Harness::Codex,
+            Self::OpenCode => Harness::OpenCode,
+            Self::OpenClaw => Harness::OpenClaw,
         }
+    }
+
+    /// The harness's name, as kvmesh labels it.
+    pub fn name(self) -> &'static str {
+        self.harness().name()
     }
 
     /// Writes the CLI's configuration into `scratch.home`: its model
@@ -516,18 +524,4 @@ fn file_name(path: &Path) -> String {
 fn free_port() -> anyhow::Result<u16> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(listener.local_addr()?.port())
-}
-
-fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
-        let entry = entry?;
-        let target = to.join(entry.file_name());
-        if entry.file_type()?.is_dir() {
-            copy_dir(&entry.path(), &target)?;
-        } else {
-            std::fs::copy(entry.path(), &target)?;
-        }
-    }
-    Ok(())
 }

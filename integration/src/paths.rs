@@ -74,3 +74,18 @@ pub fn envoy() -> PathBuf {
 pub fn envoy_yaml() -> PathBuf {
     repo_root().join("envoy/envoy.yaml")
 }
+
+/// Copies the tree at `from` into `to` (created if missing).
+pub fn copy_dir(from: &std::path::Path, to: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)?;
+        }
+    }
+    Ok(())
+}

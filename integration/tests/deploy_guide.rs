@@ -5,7 +5,6 @@
 //! the build `just test` runs before the tests. Every other shell block must
 //! need a cluster: each of its commands must be one that talks to Kubernetes.
 
-use std::path::Path;
 use std::process::Command;
 
 use kvmesh_integration::istio::{self, documents};
@@ -68,20 +67,6 @@ fn needs_a_cluster(command: &str) -> bool {
     }
 }
 
-fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from)? {
-        let entry = entry?;
-        let target = to.join(entry.file_name());
-        if entry.file_type()?.is_dir() {
-            copy_dir(&entry.path(), &target)?;
-        } else {
-            std::fs::copy(entry.path(), &target)?;
-        }
-    }
-    Ok(())
-}
-
 #[test]
 fn every_command_of_the_istio_guide_that_needs_no_cluster_runs() -> anyhow::Result<()> {
     let root = paths::repo_root();
@@ -116,7 +101,7 @@ fn every_command_of_the_istio_guide_that_needs_no_cluster_runs() -> anyhow::Resu
     // A fresh copy of the install, with this checkout's build and tools.
     let dir = std::env::temp_dir().join(format!("kvmesh-guide-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    copy_dir(&root.join("envoy"), &dir.join("envoy"))?;
+    kvmesh_integration::paths::copy_dir(&root.join("envoy"), &dir.join("envoy"))?;
     std::os::unix::fs::symlink(
         paths::filter_wasm()?
             .ancestors()

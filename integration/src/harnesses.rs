@@ -439,6 +439,19 @@ impl Cli {
     }
 }
 
+/// Turns on Codex's automatic compaction in `scratch` (configured by
+/// [`Cli::configure`]): once a reply's usage passes `token_limit` tokens,
+/// Codex compacts the history (a `request_kind: compaction` call) and goes
+/// on with the rebuilt one.
+pub fn codex_auto_compact(scratch: &Scratch, token_limit: u32) -> anyhow::Result<()> {
+    let path = scratch.home.join(".codex/config.toml");
+    let config = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    // Top-level keys go before the first table.
+    let config = format!("model_auto_compact_token_limit = {token_limit}\nmodel_context_window = 40000\n{config}");
+    std::fs::write(&path, config)?;
+    Ok(())
+}
+
 /// How long one CLI run may take: node start-up, a few scripted calls, and
 /// OpenClaw's onboarding, on a loaded 2-core machine (its slowest measured
 /// local run took 254 s at load 4-8).

@@ -33,6 +33,11 @@ use kvmesh_integration::{Cluster, ClusterOptions};
 use kvmesh_request::{Api, Envelope, canonical_stream};
 use serde_json::Value;
 
+/// Codex's automatic compaction limit in the compacting run: below its
+/// first call's prompt (about 15,000 tokens on the simulated engine), so the
+/// history is compacted once the first reply reports its usage.
+const CODEX_COMPACT_TOKENS: u32 = 3000;
+
 /// Requests each worker keeps for the test: far more than a test makes.
 const RECORDED: &str = "10000";
 
@@ -71,6 +76,9 @@ struct Truth {
     /// The routing key's parent, for a subagent.
     parent: Option<String>,
     side: bool,
+    /// Codex's compaction call (`request_kind: compaction` in its turn
+    /// metadata): the next call rebuilds the history.
+    compaction: bool,
 }
 
 fn openclaw_session_id(body: &str) -> Option<String> {
@@ -109,6 +117,10 @@ fn truths(cli: Cli, requests: &[Received]) -> anyhow::Result<Vec<Truth>> {
     for request in requests {
         let body = request.json();
         let side = declares_no_tools(&body);
+        let compaction = request
+            .header("x-codex-turn-metadata")
+            .and_then(|m| serde_json::from_str::<Value>(m).ok())
+            .is_some_and(|m| m["request_kind"] == "compaction");
         let header = |name: &str| request.header(name).map(str::to_owned);
         let truth = match cli {
             Cli::ClaudeCode => {
@@ -119,12 +131,14 @@ fn truths(cli: Cli, requests: &[Received]) -> anyhow::Result<Vec<Truth>> {
                         parent: Some(session.clone()),
                         session,
                         side,
+                        compaction,
                     },
                     None => Truth {
                         routing_key: session.clone(),
                         parent: None,
                         session,
                         side,
+                        compaction,
                     },
                 }
             }
@@ -136,6 +150,7 @@ fn truths(cli: Cli, requests: &[Received]) -> anyhow::Result<Vec<Truth>> {
                     routing_key: if thread == session { session.clone() } else { thread },
                     session,
                     side,
+                    compaction,
                 }
             }
             Cli::OpenCode => {
@@ -145,6 +160,7 @@ fn truths(cli: Cli, requests: &[Received]) -> anyhow::Result<Vec<Truth>> {
                     parent: header("x-parent-session-id"),
                     session,
                     side,
+                    compaction,
                 }
             }
             Cli::OpenClaw => {
@@ -165,6 +181,7 @@ fn truths(cli: Cli, requests: &[Received]) -> anyhow::Result<Vec<Truth>> {
                     parent,
                     session,
                     side,
+                    compaction,
                 }
             }
         };
@@ -430,6 +447,23 @@ async fn exercise(cli: Cli, setting: Setting, cluster: &Cluster) -> anyhow::Resu
     a?;
     b?;
     drop(gateway);
+    if cli == Cli::Codex {
+        // A session whose history Codex compacts (its automatic compaction,
+        // at a token limit below the first call's prompt): a turn, the
+        // compaction call, then a turn on the rebuilt history.
+        let scratch = Scratch::new(&dir, "compacting")?;
+        cli.configure(&scratch, &url, api, &dir)?;
+        kvmesh_integration::harnesses::codex_auto_compact(&scratch, CODEX_COMPACT_TOKENS)?;
+        finish(cli.start(
+            &scratch,
+            &url,
+            setting.plain_prompt,
+            &format!("{name}-compacting"),
+            &dir,
+            &[],
+        )?)
+        .await?;
+    }
     phase("two sessions done");
 
     // Every call has been answered and reported.
@@ -486,6 +520,12 @@ async fn exercise(cli: Cli, setting: Setting, cluster: &Cluster) -> anyhow::Resu
             "{name}: session {key}: {} side calls counted, {side} sent",
             row.side
         );
+        let compactions = calls.iter().filter(|t| t.compaction).count() as u64;
+        ensure!(
+            row.compaction == compactions,
+            "{name}: session {key}: {} compaction calls counted, {compactions} sent",
+            row.compaction
+        );
         ensure!(
             row.parent == calls[0].parent,
             "{name}: session {key}: parent {:?}, want {:?}",
@@ -497,6 +537,7 @@ async fn exercise(cli: Cli, setting: Setting, cluster: &Cluster) -> anyhow::Resu
     let subagents = keys.iter().filter(|k| rows[**k].parent.is_some()).count();
     ensure!(subagents >= 1, "{name}: no subagent was seen");
     let side_calls: u64 = rows.values().map(|r| r.side).sum();
+    let compactions: u64 = rows.values().map(|r| r.compaction).sum();
 
     // Main-lane calls of each session: one worker, stable canonical prefix.
     let report = get_json(format!(
@@ -545,14 +586,22 @@ async fn exercise(cli: Cli, setting: Setting, cluster: &Cluster) -> anyhow::Resu
     let mut tail_moves = 0_u64;
     let mut openclaw_worst_kept = 1.0_f64;
     let mut worst_at = String::new();
+    // Calls after a compaction, which start a new prefix epoch.
+    let mut new_epochs = 0_u64;
     for key in &keys {
-        let main: Vec<&Received> = requests
+        let main: Vec<(&Received, &Truth)> = requests
             .iter()
             .zip(&truths)
             .filter(|(_, t)| t.routing_key == *key && !t.side)
-            .map(|(r, _)| r)
             .collect();
-        for pair in main.windows(2) {
+        for calls in main.windows(2) {
+            if calls[0].1.compaction {
+                // The history is rebuilt after a compaction: a new epoch,
+                // not a prefix to keep.
+                new_epochs += 1;
+                continue;
+            }
+            let pair = [calls[0].0, calls[1].0];
             if cli == Cli::OpenClaw && is_openclaw_settle_turn(pair[1]) {
                 settle_turns += 1;
                 continue;
@@ -620,9 +669,17 @@ async fn exercise(cli: Cli, setting: Setting, cluster: &Cluster) -> anyhow::Resu
             "{name}: prefix breaks on a stable prefix: {breaks:?}"
         ),
     }
+    if cli == Cli::Codex {
+        ensure!(compactions >= 1, "{name}: Codex compacted no history");
+        let epochs = row["prefix_epochs"].as_u64().unwrap_or(0);
+        ensure!(
+            epochs == new_epochs,
+            "{name}: {new_epochs} calls after a compaction, kvmesh counted {epochs} new prefix epochs: {row}"
+        );
+    }
     println!(
         "harness-table: {name} | sessions {} | calls {} | with a session id {with_session} | subagents {subagents} | \
-         side calls {side_calls} | same worker {same_worker}/{continuing} | prefix breaks {breaks:?} | \
+         side calls {side_calls} | compactions {compactions} (new epochs {new_epochs}) | same worker {same_worker}/{continuing} | prefix breaks {breaks:?} | \
          worst consecutive canonical prefix {worst_kept:.4} | settle turns {settle_turns} | \
          tail message moves {tail_moves} (worst kept {openclaw_worst_kept:.4})",
         sessions.len(),

@@ -23,7 +23,7 @@ demo: build
 
 # The whole suite, as CI runs it: formatting, lints, codegen drift, unit and end-to-end tests.
 # Every test binary runs (no stop at the first failure); a summary of what failed ends the output.
-test *args: check-fmt clippy check-codegen build build-release setup-vllm setup-bench-clients setup-harnesses
+test *args: check-fmt clippy check-codegen build build-release setup-vllm setup-bench-clients setup-harnesses setup-peers
     integration/suite/run.sh {{args}}
 
 # The whole suite while a busy loop holds one core (KVMESH_BUSY_LOOPS=N for more): run it
@@ -42,6 +42,10 @@ setup-vllm:
 # Install the benchmark clients, AIPerf and inference-perf, into .tools (docs/benchmarks.md).
 setup-bench-clients:
     source integration/bench/lib.sh && install_aiperf .tools/aiperf && install_inference_perf .tools/inference-perf
+
+# Install the real peer routers (for now smg, the SGLang Model Gateway) at pinned versions into .tools/peers.
+setup-peers:
+    integration/peers/setup.sh
 
 # Install the four real agent harnesses (Claude Code, Codex, OpenCode, OpenClaw) and Node 24
 # at pinned versions into .tools/harnesses (docs/harnesses/README.md).

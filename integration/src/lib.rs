@@ -8,6 +8,7 @@ pub mod envoy_config;
 pub mod harnesses;
 pub mod istio;
 pub mod paths;
+pub mod peers;
 pub mod process;
 pub mod prometheus;
 pub mod redis;

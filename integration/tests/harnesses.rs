@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use kvmesh_integration::harnesses::{
-    CLI_TIMEOUT, Cli, OpenClawGateway, PROMPT_ONE_TOOL, PROMPT_SUBAGENT, ProviderApi, Run, Scratch,
+    CLI_TIMEOUT, Cli, OpenClawGateway, PROMPT_ONE_TOOL, PROMPT_SUBAGENT, ProviderApi, Scratch,
 };
 use kvmesh_integration::{Cluster, ClusterOptions};
 use kvmesh_request::{Api, Envelope, canonical_stream};
@@ -220,11 +220,36 @@ async fn received(cluster: &Cluster) -> anyhow::Result<Vec<Received>> {
     Ok(all)
 }
 
-async fn finish(run: Run) -> anyhow::Result<String> {
-    let (status, stdout) = tokio::task::spawn_blocking(move || run.finish(CLI_TIMEOUT)).await??;
-    ensure!(status.success(), "the CLI exited {status}; stdout:\n{stdout}");
-    Ok(stdout)
+/// Runs the CLI to its end. OpenClaw's `agent` can fail at admission when
+/// two sessions of one gateway start at once ("Session canonical
+/// validation schema changed during admission; retry the read", seen with
+/// 2026.9.6 on a loaded machine): as it says, the command is run again, up
+/// to [`OPENCLAW_ATTEMPTS`] times.
+async fn run_to_end(
+    cli: Cli,
+    scratch: &Scratch,
+    url: &str,
+    prompt: &str,
+    name: &str,
+    dir: &std::path::Path,
+    extra: &[String],
+) -> anyhow::Result<String> {
+    let mut attempt = 1;
+    loop {
+        let run = cli.start(scratch, url, prompt, &format!("{name}-{attempt}"), dir, extra)?;
+        let (status, stdout) = tokio::task::spawn_blocking(move || run.finish(CLI_TIMEOUT)).await??;
+        if status.success() {
+            return Ok(stdout);
+        }
+        let retry = cli == Cli::OpenClaw && stdout.contains("retry") && attempt < OPENCLAW_ATTEMPTS;
+        ensure!(retry, "the CLI exited {status}; stdout:\n{stdout}");
+        eprintln!("{name}: attempt {attempt} ended {status}, run again: {stdout}");
+        attempt += 1;
+    }
 }
+
+/// Runs of one OpenClaw `agent` command at most (see [`run_to_end`]).
+const OPENCLAW_ATTEMPTS: u32 = 3;
 
 /// What the sidecar saw, per routing key: `/debug/sessions`' rows.
 #[derive(Debug)]
@@ -382,14 +407,15 @@ async fn exercise(cli: Cli, setting: Setting, cluster: &Cluster) -> anyhow::Resu
         _ => None,
     };
     phase("ready");
-    finish(cli.start(
+    run_to_end(
+        cli,
         &first,
         &url,
         setting.subagent_prompt,
         &format!("{name}-subagent"),
         &dir,
         &[],
-    )?)
+    )
     .await?;
     if cli == Cli::OpenClaw {
         // The child runs in the gateway after `agent` returns: wait for its
@@ -402,48 +428,30 @@ async fn exercise(cli: Cli, setting: Setting, cluster: &Cluster) -> anyhow::Resu
 
     phase("subagent session done");
     // Two sessions at once (OpenClaw: two sessions of its gateway).
-    let runs = match cli {
-        Cli::OpenClaw => {
-            let ids = [
-                "3b9c8f00-0000-4000-8000-00000000000a",
-                "3b9c8f00-0000-4000-8000-00000000000b",
-            ];
-            let mut runs = Vec::new();
-            for id in ids {
-                let extra = ["--session-id".to_owned(), id.to_owned()];
-                runs.push(cli.start(
-                    &first,
-                    &url,
-                    setting.plain_prompt,
-                    &format!("{name}-{id}"),
-                    &dir,
-                    &extra,
-                )?);
-            }
-            runs
-        }
+    let launches: Vec<(Scratch, String, Vec<String>)> = match cli {
+        Cli::OpenClaw => [
+            "3b9c8f00-0000-4000-8000-00000000000a",
+            "3b9c8f00-0000-4000-8000-00000000000b",
+        ]
+        .iter()
+        .map(|id| {
+            let extra = vec!["--session-id".to_owned(), (*id).to_owned()];
+            (first.clone(), format!("{name}-{id}"), extra)
+        })
+        .collect(),
         _ => {
-            let mut runs = Vec::new();
+            let mut launches = Vec::new();
             for user in ["second", "third"] {
                 let scratch = Scratch::new(&dir, user)?;
                 cli.configure(&scratch, &url, api, &dir)?;
-                runs.push(cli.start(
-                    &scratch,
-                    &url,
-                    setting.plain_prompt,
-                    &format!("{name}-{user}"),
-                    &dir,
-                    &[],
-                )?);
+                launches.push((scratch, format!("{name}-{user}"), Vec::new()));
             }
-            runs
+            launches
         }
     };
-    let (a, b) = {
-        let mut runs = runs.into_iter();
-        (runs.next().context("run")?, runs.next().context("run")?)
-    };
-    let (a, b) = tokio::join!(finish(a), finish(b));
+    let [a, b] = [&launches[0], &launches[1]]
+        .map(|(scratch, run_name, extra)| run_to_end(cli, scratch, &url, setting.plain_prompt, run_name, &dir, extra));
+    let (a, b) = tokio::join!(a, b);
     a?;
     b?;
     drop(gateway);
@@ -454,14 +462,15 @@ async fn exercise(cli: Cli, setting: Setting, cluster: &Cluster) -> anyhow::Resu
         let scratch = Scratch::new(&dir, "compacting")?;
         cli.configure(&scratch, &url, api, &dir)?;
         kvmesh_integration::harnesses::codex_auto_compact(&scratch, CODEX_COMPACT_TOKENS)?;
-        finish(cli.start(
+        run_to_end(
+            cli,
             &scratch,
             &url,
             setting.plain_prompt,
             &format!("{name}-compacting"),
             &dir,
             &[],
-        )?)
+        )
         .await?;
     }
     phase("two sessions done");

@@ -69,3 +69,33 @@ impl AgentSession {
         })
     }
 }
+
+/// The system prompt of the tool-loop session the API tests send in
+/// `repo`: about 700 tokens, the same on every call.
+pub fn tool_loop_system_prompt(repo: &str) -> String {
+    format!("You are a coding agent in {repo}. Read files, run tests, keep changes small.\n").repeat(30)
+}
+
+/// The result of the tool-loop session's `turn`-th tool call: about 130
+/// tokens more per turn.
+pub fn tool_loop_tool_result(turn: usize) -> String {
+    format!("// src/module_{turn}.rs\n{}", "fn helper() -> u32 { 42 }\n".repeat(12))
+}
+
+/// The chat messages of call `turn` of the tool-loop session in `repo`:
+/// the system prompt, the task, then one assistant tool call and its result
+/// per earlier turn (each call resends the whole conversation).
+pub fn tool_loop_chat_messages(repo: &str, turn: usize) -> Vec<Value> {
+    let mut messages = vec![
+        json!({"role": "system", "content": tool_loop_system_prompt(repo)}),
+        json!({"role": "user", "content": "Fix the failing test."}),
+    ];
+    for t in 0..turn {
+        messages.push(
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{t}"),
+            "type": "function", "function": {"name": "read", "arguments": format!("{{\"n\":{t}}}")}}]}),
+        );
+        messages.push(json!({"role": "tool", "tool_call_id": format!("c{t}"), "content": tool_loop_tool_result(t)}));
+    }
+    messages
+}

@@ -8,35 +8,18 @@
 use std::time::Duration;
 
 use kvmesh_integration::cluster::settled;
+use kvmesh_integration::workload::{tool_loop_chat_messages, tool_loop_system_prompt, tool_loop_tool_result};
 use kvmesh_integration::{Cluster, ClusterOptions, Reply};
 use serde_json::{Value, json};
 
 const TURNS: usize = 4;
-
-fn system_prompt(repo: &str) -> String {
-    format!("You are a coding agent in {repo}. Read files, run tests, keep changes small.\n").repeat(30)
-}
-
-fn tool_result(turn: usize) -> String {
-    format!("// src/module_{turn}.rs\n{}", "fn helper() -> u32 { 42 }\n".repeat(12))
-}
 
 /// The body of call `turn` of a session in `api`, each call resending the
 /// whole conversation plus one more tool round trip.
 fn body(api: &str, repo: &str, turn: usize, stream: bool) -> Value {
     match api {
         "/v1/chat/completions" => {
-            let mut messages = vec![
-                json!({"role": "system", "content": system_prompt(repo)}),
-                json!({"role": "user", "content": "Fix the failing test."}),
-            ];
-            for t in 0..turn {
-                messages.push(
-                    json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{t}"),
-                    "type": "function", "function": {"name": "read", "arguments": format!("{{\"n\":{t}}}")}}]}),
-                );
-                messages.push(json!({"role": "tool", "tool_call_id": format!("c{t}"), "content": tool_result(t)}));
-            }
+            let messages = tool_loop_chat_messages(repo, turn);
             let mut body = json!({"model": "m", "messages": messages, "stream": stream});
             // Engines refuse stream options on a call that does not stream.
             if stream {
@@ -45,9 +28,9 @@ fn body(api: &str, repo: &str, turn: usize, stream: bool) -> Value {
             body
         }
         "/v1/completions" => {
-            let mut prompt = system_prompt(repo);
+            let mut prompt = tool_loop_system_prompt(repo);
             for t in 0..turn {
-                prompt.push_str(&tool_result(t));
+                prompt.push_str(&tool_loop_tool_result(t));
             }
             let mut body = json!({"model": "m", "prompt": prompt, "stream": stream, "user": format!("{repo}-user")});
             if stream {
@@ -64,10 +47,10 @@ fn body(api: &str, repo: &str, turn: usize, stream: bool) -> Value {
                                   "arguments": format!("{{\"command\":[\"cat\",\"src/module_{t}.rs\"]}}")}),
                 );
                 input.push(
-                    json!({"type": "function_call_output", "call_id": format!("k{t}"), "output": tool_result(t)}),
+                    json!({"type": "function_call_output", "call_id": format!("k{t}"), "output": tool_loop_tool_result(t)}),
                 );
             }
-            json!({"model": "m", "instructions": system_prompt(repo), "input": input, "stream": stream,
+            json!({"model": "m", "instructions": tool_loop_system_prompt(repo), "input": input, "stream": stream,
                    "store": false, "prompt_cache_key": format!("{repo}-codex")})
         }
         _ => {
@@ -80,7 +63,7 @@ fn body(api: &str, repo: &str, turn: usize, stream: bool) -> Value {
                 );
                 messages.push(
                     json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": format!("t{t}"),
-                    "content": tool_result(t)}]}),
+                    "content": tool_loop_tool_result(t)}]}),
                 );
             }
             // Claude Code marks the newest message for caching on every call.
@@ -88,7 +71,7 @@ fn body(api: &str, repo: &str, turn: usize, stream: bool) -> Value {
                 last["content"][0]["cache_control"] = json!({"type": "ephemeral"});
             }
             json!({"model": "m", "max_tokens": 64, "stream": stream,
-                   "system": [{"type": "text", "text": system_prompt(repo), "cache_control": {"type": "ephemeral"}}],
+                   "system": [{"type": "text", "text": tool_loop_system_prompt(repo), "cache_control": {"type": "ephemeral"}}],
                    "messages": messages})
         }
     }

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh_integration::peers::{self, Smg, SmgOptions, SmgPolicy};
 use kvmesh_integration::vllm::{self, BLOCK_SIZE_TOKENS, READY_TIMEOUT, SERVED_MODEL, VllmOptions, VllmWorker};
+use kvmesh_integration::workload::tool_loop_chat_messages;
 use serde_json::{Value, json};
 
 const TURNS: usize = 4;
@@ -42,31 +43,12 @@ const DEADLINE: Duration = Duration::from_secs(60);
 /// About 800 tokens of the tiny model's tokenizer, the same on every call
 /// of a session: six full 128-token blocks the engine can reuse. The repo
 /// name sits in the first block, so two sessions share no block.
-fn system_prompt(repo: &str) -> String {
-    format!("You are a coding agent in {repo}. Read files, run tests, keep changes small.\n").repeat(30)
-}
-
-/// About 130 tokens more per turn.
-fn tool_result(turn: usize) -> String {
-    format!("// src/module_{turn}.rs\n{}", "fn helper() -> u32 { 42 }\n".repeat(12))
-}
-
 /// Call `turn` of session `repo`: the whole conversation so far plus one
 /// more tool round trip. Greedy (nothing random to seed in what the engine
 /// computes; the seed is there to see it pass through), and asking vLLM for
 /// the prompt's token ids so the reply shows what it computed on.
 fn body(repo: &str, turn: usize) -> Value {
-    let mut messages = vec![
-        json!({"role": "system", "content": system_prompt(repo)}),
-        json!({"role": "user", "content": "Fix the failing test."}),
-    ];
-    for t in 0..turn {
-        messages.push(
-            json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{t}"),
-            "type": "function", "function": {"name": "read", "arguments": format!("{{\"n\":{t}}}")}}]}),
-        );
-        messages.push(json!({"role": "tool", "tool_call_id": format!("c{t}"), "content": tool_result(t)}));
-    }
+    let messages = tool_loop_chat_messages(repo, turn);
     json!({"model": SERVED_MODEL, "messages": messages, "max_tokens": MAX_TOKENS,
            "temperature": 0, "seed": 7, "return_token_ids": true})
 }

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh_integration::prometheus::{self, Prometheus};
 use kvmesh_integration::vllm::{self, BLOCK_SIZE_TOKENS, SERVED_MODEL, VllmOptions};
+use kvmesh_integration::workload::{tool_loop_chat_messages, tool_loop_system_prompt, tool_loop_tool_result};
 use kvmesh_integration::{Cluster, ClusterOptions, Engine, PATIENT_SIDECAR_TIMEOUT_MS, Reply};
 use serde_json::{Value, json};
 
@@ -31,15 +32,6 @@ const DEADLINE: Duration = Duration::from_secs(60);
 const DOWN_EVENTS: &str = "kvmesh_worker_events_total{event=\"down\"}";
 
 /// About 800 tokens of the tiny model's tokenizer: several full blocks.
-fn system_prompt(repo: &str) -> String {
-    format!("You are a coding agent in {repo}. Read files, run tests, keep changes small.\n").repeat(30)
-}
-
-/// About 130 tokens more per turn.
-fn tool_result(turn: usize) -> String {
-    format!("// src/module_{turn}.rs\n{}", "fn helper() -> u32 { 42 }\n".repeat(12))
-}
-
 /// Asks for the final usage chunk of a stream. vLLM answers 400 to
 /// `stream_options` on a call that does not stream ("Stream options can
 /// only be defined when `stream=True`").
@@ -55,25 +47,15 @@ fn with_usage_when_streaming(mut body: Value) -> Value {
 fn body(api: &str, repo: &str, turn: usize, stream: bool) -> Value {
     match api {
         "/v1/chat/completions" => {
-            let mut messages = vec![
-                json!({"role": "system", "content": system_prompt(repo)}),
-                json!({"role": "user", "content": "Fix the failing test."}),
-            ];
-            for t in 0..turn {
-                messages.push(
-                    json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{t}"),
-                    "type": "function", "function": {"name": "read", "arguments": format!("{{\"n\":{t}}}")}}]}),
-                );
-                messages.push(json!({"role": "tool", "tool_call_id": format!("c{t}"), "content": tool_result(t)}));
-            }
+            let messages = tool_loop_chat_messages(repo, turn);
             with_usage_when_streaming(
                 json!({"model": SERVED_MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": stream}),
             )
         }
         "/v1/completions" => {
-            let mut prompt = system_prompt(repo);
+            let mut prompt = tool_loop_system_prompt(repo);
             for t in 0..turn {
-                prompt.push_str(&tool_result(t));
+                prompt.push_str(&tool_loop_tool_result(t));
             }
             with_usage_when_streaming(
                 json!({"model": SERVED_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -89,10 +71,10 @@ fn body(api: &str, repo: &str, turn: usize, stream: bool) -> Value {
                                   "arguments": format!("{{\"command\":[\"cat\",\"src/module_{t}.rs\"]}}")}),
                 );
                 input.push(
-                    json!({"type": "function_call_output", "call_id": format!("k{t}"), "output": tool_result(t)}),
+                    json!({"type": "function_call_output", "call_id": format!("k{t}"), "output": tool_loop_tool_result(t)}),
                 );
             }
-            json!({"model": SERVED_MODEL, "instructions": system_prompt(repo), "input": input,
+            json!({"model": SERVED_MODEL, "instructions": tool_loop_system_prompt(repo), "input": input,
                    "max_output_tokens": MAX_TOKENS, "stream": stream, "store": false,
                    "prompt_cache_key": format!("{repo}-codex")})
         }
@@ -106,14 +88,14 @@ fn body(api: &str, repo: &str, turn: usize, stream: bool) -> Value {
                 );
                 messages.push(
                     json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": format!("t{t}"),
-                    "content": tool_result(t)}]}),
+                    "content": tool_loop_tool_result(t)}]}),
                 );
             }
             if let Some(last) = messages.last_mut() {
                 last["content"][0]["cache_control"] = json!({"type": "ephemeral"});
             }
             json!({"model": SERVED_MODEL, "max_tokens": MAX_TOKENS, "stream": stream,
-                   "system": [{"type": "text", "text": system_prompt(repo), "cache_control": {"type": "ephemeral"}}],
+                   "system": [{"type": "text", "text": tool_loop_system_prompt(repo), "cache_control": {"type": "ephemeral"}}],
                    "messages": messages})
         }
     }

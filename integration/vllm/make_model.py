@@ -94,7 +94,7 @@ def build(out: Path):
         # Head size 32: the CPU attention backend accepts 32, 64, 80, ...
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=8192,
+        max_position_embeddings=16384,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

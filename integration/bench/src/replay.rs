@@ -36,7 +36,7 @@ pub(crate) enum EngineKind {
 pub(crate) struct DeployArgs {
     /// The workers' engine.
     #[arg(long, value_enum, default_value_t = EngineKind::Sim)]
-    engine: EngineKind,
+    pub(crate) engine: EngineKind,
     /// vLLM only: each worker's KV capacity in 128-token blocks
     /// (`--num-gpu-blocks-override`); vLLM 0.32 wants one block more than
     /// `--max-model-len` needs (33 for 4096).
@@ -48,7 +48,7 @@ pub(crate) struct DeployArgs {
     /// vLLM only: each worker publishes its KV cache events to the sidecar
     /// (`--kv-events`), which then evicts in step with the engines.
     #[arg(long)]
-    kv_events: bool,
+    pub(crate) kv_events: bool,
     /// Simulated workers only: KV capacity of each worker, in tokens.
     #[arg(long, default_value_t = 200_000)]
     capacity_tokens: u64,
@@ -60,7 +60,7 @@ pub(crate) struct DeployArgs {
 
 impl DeployArgs {
     /// The model name requests carry.
-    fn model(&self) -> &'static str {
+    pub(crate) fn model(&self) -> &'static str {
         match self.engine {
             EngineKind::Sim => "sim",
             EngineKind::Vllm => vllm::SERVED_MODEL,
@@ -70,7 +70,13 @@ impl DeployArgs {
     /// Starts Envoy (with the kvmesh listener and the baseline listener
     /// without the filter), the sidecar and `workers` workers.
     pub(crate) async fn start(&self, workers: usize) -> anyhow::Result<Cluster> {
-        let options = match self.engine {
+        Cluster::start(self.options(workers, Vec::new())?).await
+    }
+
+    /// The deployment `start` starts; `vllm_env` is more environment for
+    /// each vLLM worker.
+    pub(crate) fn options(&self, workers: usize, vllm_env: Vec<(String, String)>) -> anyhow::Result<ClusterOptions> {
+        Ok(match self.engine {
             EngineKind::Sim => ClusterOptions {
                 workers,
                 profile: Profile::Release,
@@ -94,6 +100,7 @@ impl DeployArgs {
                     engine: Engine::Vllm(VllmOptions {
                         blocks: self.vllm_blocks,
                         max_model_len: self.max_model_len,
+                        extra_env: vllm_env,
                         ..VllmOptions::default()
                     }),
                     // The sidecar learns the engines' real prefill rate from
@@ -106,8 +113,7 @@ impl DeployArgs {
                     ..ClusterOptions::default()
                 }
             }
-        };
-        Cluster::start(options).await
+        })
     }
 }
 
@@ -135,6 +141,10 @@ pub(crate) struct Options {
     /// Start a local deployment with this many workers instead.
     #[arg(long)]
     local: Option<usize>,
+    /// The model name calls carry (default: the local deployment's, or
+    /// `sim` with `--url`).
+    #[arg(long)]
+    model: Option<String>,
     #[command(flatten)]
     deploy: DeployArgs,
     /// Local deployment only: send to Envoy's listener without the kvmesh
@@ -155,23 +165,34 @@ pub(crate) struct Options {
     json: Option<PathBuf>,
 }
 
-struct Result {
-    ttfb_ms: f64,
-    latency_ms: f64,
-    prompt_tokens: u64,
-    cached_tokens: u64,
-    ok: bool,
+/// One call as the client saw it.
+pub(crate) struct Result {
+    pub(crate) ttfb_ms: f64,
+    pub(crate) latency_ms: f64,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) cached_tokens: u64,
+    pub(crate) ok: bool,
 }
+
+/// The session headers every call carries: kvmesh's and smg's sticky key
+/// (`x-session-id`) and Dynamo's (`x-dynamo-session-id`), each router
+/// reading the one it knows, so one client drives every router alike.
+const SESSION_HEADERS: [(&str, &str); 2] = [
+    ("x-session-id", "x-parent-session-id"),
+    ("x-dynamo-session-id", "x-dynamo-parent-session-id"),
+];
 
 async fn send(client: &reqwest::Client, url: &str, model: &str, r: &trace::Request) -> Result {
     let body = json!({"model": model, "messages": [{"role": "user", "content": r.text}],
                       "max_tokens": r.output_tokens, "stream": true, "stream_options": {"include_usage": true}});
     let mut request = client.post(format!("{url}/v1/chat/completions")).json(&body);
-    if !r.session.is_empty() {
-        request = request.header("x-session-id", &r.session);
-    }
-    if !r.parent.is_empty() {
-        request = request.header("x-parent-session-id", &r.parent);
+    for (session, parent) in SESSION_HEADERS {
+        if !r.session.is_empty() {
+            request = request.header(session, &r.session);
+        }
+        if !r.parent.is_empty() {
+            request = request.header(parent, &r.parent);
+        }
     }
     let started = Instant::now();
     let failed = Result {
@@ -257,7 +278,11 @@ fn logged_picks(log: &str) -> HashMap<String, VecDeque<LoggedPick>> {
 /// What the sidecar predicted, call by call where its log pairs each call
 /// with its Pick, converted to tokens with each worker's learned tokens per
 /// (filter) block from `/debug/workers`.
-async fn predictions(cluster: &Cluster, requests: &[trace::Request], results: &[Result]) -> anyhow::Result<Value> {
+pub(crate) async fn predictions(
+    cluster: &Cluster,
+    requests: &[trace::Request],
+    results: &[Result],
+) -> anyhow::Result<Value> {
     let http = reqwest::Client::builder().no_proxy().build()?;
     let workers: Value = http
         .get(format!("http://{}/debug/workers", cluster.sidecar_admin))
@@ -338,6 +363,38 @@ async fn predictions(cluster: &Cluster, requests: &[trace::Request], results: &[
     }))
 }
 
+/// Sends every request at its time (from now), each on its own task, and
+/// returns what each got, in the workload's order.
+pub(crate) async fn send_all(
+    url: &str,
+    model: &str,
+    requests: &Arc<Vec<trace::Request>>,
+) -> anyhow::Result<Vec<Result>> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(600))
+        .build()?;
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..requests.len() {
+        let requests = requests.clone();
+        let client = client.clone();
+        let url = url.to_owned();
+        let model = model.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let r = &requests[i];
+            let due = start + Duration::from_secs_f64(r.at_ms / 1e3);
+            tokio::time::sleep_until(due.into()).await;
+            send(&client, &url, &model, r).await
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await?);
+    }
+    Ok(results)
+}
+
 pub(crate) async fn run(o: Options) -> anyhow::Result<()> {
     let (_, requests) = o.workload.load()?;
     let cluster = match (o.local, &o.url) {
@@ -353,32 +410,14 @@ pub(crate) async fn run(o: Options) -> anyhow::Result<()> {
         Some(c) => c.envoy_url.clone(),
         None => o.url.clone().unwrap_or_default(),
     };
-    let model = match &cluster {
-        Some(_) => o.deploy.model(),
-        None => "sim",
+    let model = match (&o.model, &cluster) {
+        (Some(model), _) => model.as_str(),
+        (None, Some(_)) => o.deploy.model(),
+        (None, None) => "sim",
     };
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(600))
-        .build()?;
     let requests = Arc::new(requests);
     let start = Instant::now();
-    let mut tasks = Vec::new();
-    for i in 0..requests.len() {
-        let requests = requests.clone();
-        let client = client.clone();
-        let url = url.clone();
-        tasks.push(tokio::spawn(async move {
-            let r = &requests[i];
-            let due = start + Duration::from_secs_f64(r.at_ms / 1e3);
-            tokio::time::sleep_until(due.into()).await;
-            send(&client, &url, model, r).await
-        }));
-    }
-    let mut results = Vec::new();
-    for t in tasks {
-        results.push(t.await?);
-    }
+    let results = send_all(&url, model, &requests).await?;
     let wall_s = start.elapsed().as_secs_f64();
     let ok: Vec<&Result> = results.iter().filter(|r| r.ok).collect();
     let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();

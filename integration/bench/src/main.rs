@@ -7,6 +7,7 @@
 //! same machine noise, and the difference of their latency is the filter's.
 #![forbid(unsafe_code)]
 
+mod compare;
 mod envoy_load;
 mod flood;
 mod gen_agents;
@@ -46,6 +47,9 @@ enum Command {
     /// Send a workload as real HTTP calls, through Envoy with kvmesh (or
     /// without it), to simulated or real vLLM workers.
     Replay(replay::Options),
+    /// kvmesh, round robin and the real peer routers as arms in front of
+    /// one deployment of real vLLM workers, each cold, rotated over rounds.
+    Compare(compare::Options),
     /// Start the local deployment (Envoy with and without kvmesh, sidecar,
     /// workers), print its URLs as one JSON line, and wait for SIGINT/SIGTERM.
     Serve(replay::ServeOptions),
@@ -63,5 +67,6 @@ async fn main() -> anyhow::Result<()> {
         Command::GenAgents(options) => gen_agents::run(options),
         Command::Replay(options) => replay::run(options).await,
         Command::Serve(options) => replay::serve(options).await,
+        Command::Compare(options) => compare::run(options).await,
     }
 }

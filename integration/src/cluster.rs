@@ -138,7 +138,12 @@ pub struct Reply {
     /// How many body bytes the worker received.
     pub worker_body_bytes: Option<usize>,
     pub body: String,
+    /// From sending the request to the end of the reply's body.
     pub latency: Duration,
+    /// From sending the request to the first SSE event carrying an output
+    /// token (time to first token), when read by [`Reply::read_streamed`]
+    /// and the stream carried one; `None` otherwise.
+    pub first_token: Option<Duration>,
 }
 
 impl Reply {
@@ -146,7 +151,45 @@ impl Reply {
     pub async fn read(request: reqwest::RequestBuilder) -> anyhow::Result<Self> {
         let started = Instant::now();
         let response = request.send().await.context("request through Envoy")?;
-        let status = response.status().as_u16();
+        let mut reply = Self::head(&response);
+        reply.body = response.text().await.context("reading the reply")?;
+        reply.latency = started.elapsed();
+        Ok(reply)
+    }
+
+    /// Sends `request` (a streamed Chat Completions call) and reads its
+    /// body chunk by chunk as it arrives, noting when the first output
+    /// token came ([`Reply::first_token`]): the whole-body [`Reply::read`]
+    /// only sees the end, which a long decode dominates.
+    pub async fn read_streamed(request: reqwest::RequestBuilder) -> anyhow::Result<Self> {
+        let started = Instant::now();
+        let mut response = request.send().await.context("request through Envoy")?;
+        let mut reply = Self::head(&response);
+        let mut body = Vec::new();
+        // Only whole lines are looked at (an event may span chunks); the
+        // bytes before `scanned` were.
+        let mut scanned = 0;
+        while let Some(chunk) = response.chunk().await.context("reading the streamed reply")? {
+            body.extend_from_slice(&chunk);
+            if reply.first_token.is_some() {
+                continue;
+            }
+            if let Some(end) = body.iter().rposition(|&b| b == b'\n') {
+                let lines = String::from_utf8_lossy(&body[scanned..end]);
+                if lines.lines().any(carries_output_token) {
+                    reply.first_token = Some(started.elapsed());
+                }
+                scanned = end + 1;
+            }
+        }
+        reply.latency = started.elapsed();
+        reply.body = String::from_utf8_lossy(&body).into_owned();
+        Ok(reply)
+    }
+
+    /// The status and the headers the sim tags its replies with; the body
+    /// and the timings are the reader's to fill.
+    fn head(response: &reqwest::Response) -> Self {
         let header = |name: &str| {
             response
                 .headers()
@@ -154,32 +197,71 @@ impl Reply {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned)
         };
-        let worker = header("x-kvmesh-sim-worker");
-        let saw_destination = header("x-kvmesh-sim-saw-destination");
-        let worker_body_sha256 = header("x-kvmesh-sim-body-sha256");
-        let worker_body_bytes = header("x-kvmesh-sim-body-bytes").and_then(|v| v.parse().ok());
-        let body = response.text().await.context("reading the reply")?;
-        Ok(Self {
-            status,
-            worker,
-            saw_destination,
-            worker_body_sha256,
-            worker_body_bytes,
-            body,
-            latency: started.elapsed(),
-        })
+        Self {
+            status: response.status().as_u16(),
+            worker: header("x-kvmesh-sim-worker"),
+            saw_destination: header("x-kvmesh-sim-saw-destination"),
+            worker_body_sha256: header("x-kvmesh-sim-body-sha256"),
+            worker_body_bytes: header("x-kvmesh-sim-body-bytes").and_then(|v| v.parse().ok()),
+            body: String::new(),
+            latency: Duration::ZERO,
+            first_token: None,
+        }
     }
 
-    /// `usage.prompt_tokens_details.cached_tokens` of a JSON reply.
+    /// The OpenAI `usage` object: a JSON reply's, or a streamed reply's
+    /// last one (the chunk `stream_options.include_usage` adds before
+    /// `[DONE]`; vLLM sends `"usage": null` on the others).
+    pub fn usage(&self) -> Option<Value> {
+        if let Ok(json) = serde_json::from_str::<Value>(&self.body) {
+            return json.get("usage").cloned();
+        }
+        sse_data(&self.body)
+            .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+            .filter_map(|mut event| event.get_mut("usage").map(Value::take))
+            .filter(Value::is_object)
+            .last()
+    }
+
+    /// `usage.prompt_tokens_details.cached_tokens` of a JSON or streamed
+    /// reply.
     pub fn cached_tokens(&self) -> Option<u64> {
-        let json: Value = serde_json::from_str(&self.body).ok()?;
-        json.pointer("/usage/prompt_tokens_details/cached_tokens")?.as_u64()
+        self.usage()?.pointer("/prompt_tokens_details/cached_tokens")?.as_u64()
     }
 
+    /// `usage.prompt_tokens` of a JSON or streamed reply.
     pub fn prompt_tokens(&self) -> Option<u64> {
-        let json: Value = serde_json::from_str(&self.body).ok()?;
-        json.pointer("/usage/prompt_tokens")?.as_u64()
+        self.usage()?.get("prompt_tokens")?.as_u64()
     }
+}
+
+/// The payloads of an SSE body's `data:` lines, `[DONE]` included.
+fn sse_data(body: &str) -> impl Iterator<Item = &str> {
+    body.lines()
+        .filter_map(|line| line.strip_prefix("data:"))
+        .map(str::trim)
+}
+
+/// Whether one SSE line is a Chat Completions chunk carrying output: a
+/// choice whose delta has text or a tool call. The role chunk a stream
+/// opens with (`"content": ""`, sent by the sim when its prefill is done)
+/// and the final usage chunk (no choices) do not.
+fn carries_output_token(line: &str) -> bool {
+    let Some(data) = sse_data(line).next() else {
+        return false;
+    };
+    let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+        return false;
+    };
+    let choices = chunk
+        .get("choices")
+        .and_then(Value::as_array)
+        .map_or(&[][..], Vec::as_slice);
+    choices.iter().any(|choice| {
+        let delta = &choice["delta"];
+        delta["content"].as_str().is_some_and(|text| !text.is_empty())
+            || delta["tool_calls"].as_array().is_some_and(|calls| !calls.is_empty())
+    })
 }
 
 /// A sidecar replica beyond the first.
@@ -897,5 +979,60 @@ impl Drop for Cluster {
         } else {
             eprintln!("kvmesh test logs kept in {}", self.dir.display());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(body: &str) -> Reply {
+        Reply {
+            status: 200,
+            worker: None,
+            saw_destination: None,
+            worker_body_sha256: None,
+            worker_body_bytes: None,
+            body: body.to_owned(),
+            latency: Duration::ZERO,
+            first_token: None,
+        }
+    }
+
+    /// A stream as the sim sends it: the role chunk, tokens, the stop
+    /// chunk, the usage chunk, `[DONE]`.
+    const STREAM: &str = concat!(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"[w0] \"}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":null}\n\n",
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":941,\"prompt_tokens_details\":{\"cached_tokens\":928}}}\n\n",
+        "data: [DONE]\n\n",
+    );
+
+    #[test]
+    fn only_chunks_with_text_or_tool_calls_carry_a_token() {
+        let carrying: Vec<bool> = STREAM.lines().map(carries_output_token).collect();
+        assert_eq!(carrying.iter().filter(|c| **c).count(), 1, "{carrying:?}");
+        assert!(carries_output_token(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}"
+        ));
+        assert!(carries_output_token(
+            "data:{\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0}]}}]}"
+        ));
+        assert!(!carries_output_token(
+            "data: {\"choices\":[{\"delta\":{\"content\":null}}]}"
+        ));
+        assert!(!carries_output_token("event: ping"));
+        assert!(!carries_output_token("data: {not json"));
+    }
+
+    #[test]
+    fn usage_is_read_from_a_json_or_a_streamed_reply() {
+        let streamed = reply(STREAM);
+        assert_eq!(streamed.prompt_tokens(), Some(941));
+        assert_eq!(streamed.cached_tokens(), Some(928));
+        let json = reply(r#"{"usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":2}}}"#);
+        assert_eq!((json.prompt_tokens(), json.cached_tokens()), (Some(5), Some(2)));
+        assert_eq!(reply("data: {\"choices\":[]}\n\ndata: [DONE]\n\n").usage(), None);
     }
 }

@@ -68,6 +68,15 @@ impl AgentSession {
             "stream": false,
         })
     }
+
+    /// [`AgentSession::call`] streamed, as agents call: SSE, with the usage
+    /// chunk at the end (`stream_options.include_usage`).
+    pub fn streamed_call(&self, turn: usize) -> Value {
+        let mut body = self.call(turn);
+        body["stream"] = Value::Bool(true);
+        body["stream_options"] = json!({"include_usage": true});
+        body
+    }
 }
 
 /// The system prompt of the tool-loop session the API tests send in

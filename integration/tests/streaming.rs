@@ -11,9 +11,7 @@ async fn streamed_calls_follow_their_session_and_carry_usage() -> anyhow::Result
     let mut workers = Vec::new();
     let mut cached = Vec::new();
     for turn in 0..3 {
-        let mut body = session.call(turn);
-        body["stream"] = Value::Bool(true);
-        body["stream_options"] = serde_json::json!({"include_usage": true});
+        let body = session.streamed_call(turn);
         let reply = cluster.chat(&body, &[("x-session-affinity", "ses_stream")]).await?;
         assert_eq!(reply.status, 200, "{}", reply.body);
         assert!(reply.saw_destination.is_some(), "streamed call {turn} was not routed");

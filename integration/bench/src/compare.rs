@@ -563,6 +563,16 @@ async fn run_arm(
     Ok(result)
 }
 
+/// Round `round` (from 1) runs the arms rotated left by `round - 1`: over
+/// as many rounds as arms, each arm runs once in every position.
+fn order_for_round(arms: &[Arm], round: usize) -> Vec<Arm> {
+    let mut order = arms.to_vec();
+    if !arms.is_empty() {
+        order.rotate_left(round.saturating_sub(1) % arms.len());
+    }
+    order
+}
+
 /// Median and range of one figure over an arm's runs.
 fn spread(runs: &[&Value], key: &str) -> (f64, f64, f64) {
     let mut v: Vec<f64> = runs.iter().filter_map(|r| r[key].as_f64()).collect();
@@ -601,7 +611,19 @@ fn table(arms: &[Arm], results: &[Value]) -> String {
     out
 }
 
+/// Runs every round; on SIGINT or SIGTERM the rounds are abandoned, which
+/// drops the deployment and the arm's router, and so stops every process
+/// they started by its pid (vLLM by its process group).
 pub(crate) async fn run(o: Options) -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        done = rounds(o) => done,
+        _ = tokio::signal::ctrl_c() => bail!("interrupted: stopped every process this run started"),
+        _ = term.recv() => bail!("terminated: stopped every process this run started"),
+    }
+}
+
+async fn rounds(o: Options) -> anyhow::Result<()> {
     if o.deploy.engine != EngineKind::Vllm {
         bail!("compare runs on real engines: give --engine vllm");
     }
@@ -615,8 +637,7 @@ pub(crate) async fn run(o: Options) -> anyhow::Result<()> {
         .build()?;
     let mut results = Vec::new();
     for round in 1..=o.rounds {
-        let mut order = o.arms.clone();
-        order.rotate_left((round - 1) % o.arms.len());
+        let order = order_for_round(&o.arms, round);
         eprintln!(
             "compare: round {round}/{}: starting {} workers; arms {:?}",
             o.rounds, o.workers, order
@@ -647,4 +668,42 @@ pub(crate) async fn run(o: Options) -> anyhow::Result<()> {
     std::fs::write(o.out.join("table.md"), &summary)?;
     println!("{summary}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_arm_takes_each_position_once_over_as_many_rounds_as_arms() {
+        let arms = [Arm::Kvmesh, Arm::RoundRobin, Arm::Smg, Arm::SmgSticky];
+        let orders: Vec<Vec<Arm>> = (1..=arms.len()).map(|r| order_for_round(&arms, r)).collect();
+        assert_eq!(orders[0], arms);
+        assert_eq!(orders[1], [Arm::RoundRobin, Arm::Smg, Arm::SmgSticky, Arm::Kvmesh]);
+        for position in 0..arms.len() {
+            let mut seen: Vec<Arm> = orders.iter().map(|o| o[position]).collect();
+            seen.sort_by_key(|a| a.name());
+            seen.dedup();
+            assert_eq!(seen.len(), arms.len(), "position {position}: {orders:?}");
+        }
+        assert!(order_for_round(&[], 3).is_empty());
+    }
+
+    #[test]
+    fn the_table_gives_each_arms_median_and_range() {
+        let runs = [
+            json!({"arm": "kvmesh", "hit_rate": 0.9, "ttft_p50_ms": 80.0, "ttft_p99_ms": 900.0, "imbalance_computed": 1.2, "failed": 0, "load_1m": {"median": 1.0}}),
+            json!({"arm": "kvmesh", "hit_rate": 0.8, "ttft_p50_ms": 60.0, "ttft_p99_ms": 700.0, "imbalance_computed": 1.1, "failed": 1, "load_1m": {"median": 3.0}}),
+            json!({"arm": "kvmesh", "hit_rate": 0.85, "ttft_p50_ms": 70.0, "ttft_p99_ms": 800.0, "imbalance_computed": 1.3, "failed": 0, "load_1m": {"median": 2.0}}),
+            json!({"arm": "smg", "hit_rate": 0.5, "ttft_p50_ms": 100.0, "ttft_p99_ms": 1000.0, "imbalance_computed": 1.5, "failed": 0, "load_1m": {"median": 2.0}}),
+        ];
+        let table = table(&[Arm::Kvmesh, Arm::Smg], &runs);
+        assert!(
+            table.contains(
+                "| kvmesh | 3 | 0.850 [0.800-0.900] | 70 [60-80] | 800 [700-900] | 1.20 [1.10-1.30] | 1 | 2.00 |"
+            ),
+            "{table}"
+        );
+        assert!(table.contains("| smg | 1 | 0.500 [0.500-0.500] |"), "{table}");
+    }
 }

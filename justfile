@@ -43,7 +43,8 @@ setup-vllm:
 setup-bench-clients:
     source integration/bench/lib.sh && install_aiperf .tools/aiperf && install_inference_perf .tools/inference-perf
 
-# Install the real peer routers (for now smg, the SGLang Model Gateway) at pinned versions into .tools/peers.
+# Install the real peer routers (smg, the SGLang Model Gateway; NVIDIA Dynamo and its vLLM worker) at pinned
+# versions into .tools/peers (after setup-vllm: Dynamo's worker runs over its torch).
 setup-peers:
     integration/peers/setup.sh
 

@@ -16,7 +16,13 @@
 //! The arms: `kvmesh` (Envoy + the filter + the sidecar), `round_robin`
 //! (the same Envoy, a listener without the filter), `smg` (the SGLang
 //! Model Gateway's default, `cache_aware`) and `smg_sticky` (the same with
-//! its routing key on the session header, its documented agent setting).
+//! its routing key on the session header, its documented agent setting),
+//! `dynamo` (Dynamo's frontend with its KV router fed by the engines' KV
+//! events) and `dynamo_sticky` (the same with its session affinity, its
+//! agent setting). Dynamo routes only to workers of its own runtime, so its
+//! arms run over fresh `dynamo.vllm` workers (vLLM 0.31.0, the version
+//! Dynamo 1.6.1 is written against) with the deployment's model and engine
+//! flags, the deployment's own vLLM 0.32.0 workers idle meanwhile.
 //! Peers are as `./dev setup-peers` installs them (docs/peers.md).
 
 use std::path::{Path, PathBuf};
@@ -26,7 +32,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use kvmesh_integration::Cluster;
-use kvmesh_integration::peers::{Smg, SmgOptions, SmgPolicy};
+use kvmesh_integration::peers::{
+    Dynamo, DynamoAffinity, DynamoAffinityMode, DynamoEngineOptions, DynamoEngines, DynamoOptions, Smg, SmgOptions,
+    SmgPolicy,
+};
 use kvmesh_integration::vllm::{SERVED_MODEL, metric_sum};
 use serde_json::{Value, json};
 
@@ -46,6 +55,13 @@ pub(crate) enum Arm {
     /// smg 1.13.0 `cache_aware` with sticky sessions on the session header
     /// (`--routing-key-override --routing-key-headers <header>`).
     SmgSticky,
+    /// Dynamo 1.6.1's frontend, `--router-mode kv` with the engines' KV
+    /// events (its defaults otherwise), over its own vLLM workers
+    /// (`dynamo.vllm`, vLLM 0.31.0 CPU, the same model and engine flags).
+    Dynamo,
+    /// The same with session affinity on `x-dynamo-session-id`
+    /// (`--router-session-affinity-ttl-secs 600`, hard mode, its default).
+    DynamoSticky,
 }
 
 impl Arm {
@@ -55,6 +71,8 @@ impl Arm {
             Self::RoundRobin => "round_robin",
             Self::Smg => "smg",
             Self::SmgSticky => "smg_sticky",
+            Self::Dynamo => "dynamo",
+            Self::DynamoSticky => "dynamo_sticky",
         }
     }
 }
@@ -149,14 +167,8 @@ struct EngineCounts {
     preempted: f64,
 }
 
-async fn engine_counts(http: &reqwest::Client, worker: &str) -> anyhow::Result<EngineCounts> {
-    let text = http
-        .get(format!("{worker}/metrics"))
-        .send()
-        .await?
-        .error_for_status()?
-        .text()
-        .await?;
+async fn engine_counts(http: &reqwest::Client, metrics_url: &str) -> anyhow::Result<EngineCounts> {
+    let text = http.get(metrics_url).send().await?.error_for_status()?.text().await?;
     let read = |name: &str| metric_sum(&text, name).unwrap_or(0.0);
     Ok(EngineCounts {
         prompt: read("vllm:prompt_tokens_total"),
@@ -166,13 +178,13 @@ async fn engine_counts(http: &reqwest::Client, worker: &str) -> anyhow::Result<E
     })
 }
 
-async fn all_counts(http: &reqwest::Client, workers: &[String]) -> anyhow::Result<Vec<EngineCounts>> {
+async fn all_counts(http: &reqwest::Client, metrics_urls: &[String]) -> anyhow::Result<Vec<EngineCounts>> {
     let mut out = Vec::new();
-    for w in workers {
+    for url in metrics_urls {
         out.push(
-            engine_counts(http, w)
+            engine_counts(http, url)
                 .await
-                .with_context(|| format!("reading {w}/metrics"))?,
+                .with_context(|| format!("reading {url}"))?,
         );
     }
     Ok(out)
@@ -267,21 +279,43 @@ struct ClientOutcome {
     extra: Value,
 }
 
-/// A running arm: where to send, and what to stop afterwards.
+/// A running arm: where to send, where its engines count, and what to
+/// stop afterwards (fields drop in order: a router before its engines).
 struct RunningArm {
     url: String,
     model: String,
+    /// Each engine's Prometheus text (`vllm:*` counters).
+    engine_metrics: Vec<String>,
     _smg: Option<Smg>,
+    _dynamo: Option<Dynamo>,
+    _dynamo_engines: Option<DynamoEngines>,
 }
 
+impl RunningArm {
+    /// An arm in front of the deployment's own vLLM workers.
+    fn on_workers(url: String, workers: &[String], smg: Option<Smg>) -> Self {
+        Self {
+            url,
+            model: SERVED_MODEL.to_owned(),
+            engine_metrics: workers.iter().map(|w| format!("{w}/metrics")).collect(),
+            _smg: smg,
+            _dynamo: None,
+            _dynamo_engines: None,
+        }
+    }
+}
+
+/// Dynamo's session affinity as its agent guide enables it: a TTL longer
+/// than any session of these workloads, hard mode (the default).
+const DYNAMO_AFFINITY_TTL_SECS: u64 = 600;
+
 async fn start_arm(
+    o: &Options,
     arm: Arm,
     cluster: &mut Cluster,
     workers: &[String],
-    client: ClientKind,
     dir: &Path,
 ) -> anyhow::Result<RunningArm> {
-    let model = SERVED_MODEL.to_owned();
     match arm {
         Arm::Kvmesh => {
             // A fresh sidecar: no index, no sessions, no learned rates from
@@ -289,31 +323,49 @@ async fn start_arm(
             cluster.kill_sidecar()?;
             cluster.restart_sidecar()?;
             wait_for_sidecar(cluster, workers.len()).await?;
-            Ok(RunningArm {
-                url: cluster.envoy_url.clone(),
-                model,
-                _smg: None,
-            })
+            Ok(RunningArm::on_workers(cluster.envoy_url.clone(), workers, None))
         }
-        Arm::RoundRobin => Ok(RunningArm {
-            url: cluster
+        Arm::RoundRobin => Ok(RunningArm::on_workers(
+            cluster
                 .direct_url
                 .clone()
                 .context("the deployment has no listener without the filter")?,
-            model,
-            _smg: None,
-        }),
+            workers,
+            None,
+        )),
         Arm::Smg | Arm::SmgSticky => {
             let options = SmgOptions {
                 policy: SmgPolicy::CacheAware,
-                sticky_header: (arm == Arm::SmgSticky).then(|| client.session_header().to_owned()),
+                sticky_header: (arm == Arm::SmgSticky).then(|| o.client.session_header().to_owned()),
                 ..SmgOptions::default()
             };
             let smg = tokio::task::block_in_place(|| Smg::start(workers, &options, dir))?;
+            Ok(RunningArm::on_workers(smg.url(), workers, Some(smg)))
+        }
+        Arm::Dynamo | Arm::DynamoSticky => {
+            // Dynamo routes only to workers of its own runtime: fresh
+            // engines per arm, cold by construction (checked by the caller).
+            let engine_options = DynamoEngineOptions {
+                blocks: o.deploy.vllm_blocks,
+                max_model_len: o.deploy.max_model_len,
+                ..DynamoEngineOptions::default()
+            };
+            let engines = tokio::task::block_in_place(|| DynamoEngines::start(o.workers, &engine_options, dir))?;
+            let options = DynamoOptions {
+                session_affinity: (arm == Arm::DynamoSticky).then_some(DynamoAffinity {
+                    ttl_secs: DYNAMO_AFFINITY_TTL_SECS,
+                    mode: DynamoAffinityMode::Hard,
+                }),
+                ..DynamoOptions::default()
+            };
+            let dynamo = tokio::task::block_in_place(|| Dynamo::start(&engines, &options, dir))?;
             Ok(RunningArm {
-                url: smg.url(),
-                model,
-                _smg: Some(smg),
+                url: dynamo.url(),
+                model: SERVED_MODEL.to_owned(),
+                engine_metrics: engines.engines.iter().map(|e| e.metrics_url()).collect(),
+                _smg: None,
+                _dynamo: Some(dynamo),
+                _dynamo_engines: Some(engines),
             })
         }
     }
@@ -507,9 +559,14 @@ async fn run_arm(
     let workers: Vec<String> = cluster.workers.iter().map(|w| format!("http://{}", w.addr)).collect();
     let dir = o.out.join(format!("round{round}-{}", arm.name()));
     std::fs::create_dir_all(&dir)?;
-    reset_caches(http, &workers).await?;
-    let running = start_arm(arm, cluster, &workers, o.client, &dir).await?;
-    let before = all_counts(http, &workers).await?;
+    if !matches!(arm, Arm::Dynamo | Arm::DynamoSticky) {
+        reset_caches(http, &workers).await?;
+    }
+    let running = start_arm(o, arm, cluster, &workers, &dir).await?;
+    let before = all_counts(http, &running.engine_metrics).await?;
+    if matches!(arm, Arm::Dynamo | Arm::DynamoSticky) && before.iter().any(|c| c.prompt > 0.0 || c.cached > 0.0) {
+        bail!("Dynamo's fresh engines have computed prompts already: {before:?}");
+    }
     let load = LoadSampler::start();
     let started = Instant::now();
     let outcome = match o.client {
@@ -519,7 +576,13 @@ async fn run_arm(
     let wall_s = started.elapsed().as_secs_f64();
     let load = load.finish().await;
     let outcome = outcome?;
-    let after = settle(http, &workers, &before, outcome.requests - outcome.failed).await?;
+    let after = settle(
+        http,
+        &running.engine_metrics,
+        &before,
+        outcome.requests - outcome.failed,
+    )
+    .await?;
     drop(running);
     let per_worker: Vec<Value> = before
         .iter()
@@ -587,8 +650,8 @@ fn spread(runs: &[&Value], key: &str) -> (f64, f64, f64) {
 /// The per-arm summary, as docs/benchmarks.md prints it.
 fn table(arms: &[Arm], results: &[Value]) -> String {
     let mut out = String::from(
-        "| arm | runs | hit rate (engines) | TTFT p50 ms | TTFT p99 ms | imbalance (computed) | failed | load median |\n\
-         |---|---|---|---|---|---|---|---|\n",
+        "| arm | runs | hit rate (engines) | TTFT p50 ms | TTFT p99 ms | imbalance (computed) | calls per worker, each run | failed | load median |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
     );
     for arm in arms {
         let runs: Vec<&Value> = results.iter().filter(|r| r["arm"] == arm.name()).collect();
@@ -596,14 +659,30 @@ fn table(arms: &[Arm], results: &[Value]) -> String {
         let failed: u64 = runs.iter().filter_map(|r| r["failed"].as_u64()).sum();
         let mut loads: Vec<f64> = runs.iter().filter_map(|r| r["load_1m"]["median"].as_f64()).collect();
         loads.sort_by(f64::total_cmp);
+        // Sorted, so runs compare whichever worker took the most.
+        let split: Vec<String> = runs
+            .iter()
+            .map(|r| {
+                let mut calls: Vec<u64> = r["per_worker"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|w| w["requests"].as_f64())
+                    .map(|c| c as u64)
+                    .collect();
+                calls.sort_unstable_by(|a, b| b.cmp(a));
+                calls.iter().map(u64::to_string).collect::<Vec<_>>().join("/")
+            })
+            .collect();
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.2} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.2} |\n",
             arm.name(),
             runs.len(),
             fmt(spread(&runs, "hit_rate"), 3),
             fmt(spread(&runs, "ttft_p50_ms"), 0),
             fmt(spread(&runs, "ttft_p99_ms"), 0),
             fmt(spread(&runs, "imbalance_computed"), 2),
+            split.join(", "),
             failed,
             percentile(&loads, 0.5),
         ));
@@ -629,6 +708,12 @@ async fn rounds(o: Options) -> anyhow::Result<()> {
     }
     if o.arms.is_empty() || o.rounds == 0 {
         bail!("give at least one arm and one round");
+    }
+    if o.client == ClientKind::Aiperf && o.arms.contains(&Arm::DynamoSticky) {
+        // Dynamo 1.6.1 names a session by x-dynamo-session-id (or
+        // x-session-id and a few harnesses' own headers), not by AIPerf's
+        // X-Session-Affinity: the arm would be `dynamo` under another name.
+        bail!("dynamo_sticky needs a client that sends x-dynamo-session-id: AIPerf sends X-Session-Affinity only");
     }
     std::fs::create_dir_all(&o.out)?;
     let http = reqwest::Client::builder()
@@ -692,7 +777,8 @@ mod tests {
     #[test]
     fn the_table_gives_each_arms_median_and_range() {
         let runs = [
-            json!({"arm": "kvmesh", "hit_rate": 0.9, "ttft_p50_ms": 80.0, "ttft_p99_ms": 900.0, "imbalance_computed": 1.2, "failed": 0, "load_1m": {"median": 1.0}}),
+            json!({"arm": "kvmesh", "hit_rate": 0.9, "ttft_p50_ms": 80.0, "ttft_p99_ms": 900.0, "imbalance_computed": 1.2, "failed": 0, "load_1m": {"median": 1.0},
+                   "per_worker": [{"requests": 3.0}, {"requests": 5.0}, {"requests": 4.0}]}),
             json!({"arm": "kvmesh", "hit_rate": 0.8, "ttft_p50_ms": 60.0, "ttft_p99_ms": 700.0, "imbalance_computed": 1.1, "failed": 1, "load_1m": {"median": 3.0}}),
             json!({"arm": "kvmesh", "hit_rate": 0.85, "ttft_p50_ms": 70.0, "ttft_p99_ms": 800.0, "imbalance_computed": 1.3, "failed": 0, "load_1m": {"median": 2.0}}),
             json!({"arm": "smg", "hit_rate": 0.5, "ttft_p50_ms": 100.0, "ttft_p99_ms": 1000.0, "imbalance_computed": 1.5, "failed": 0, "load_1m": {"median": 2.0}}),
@@ -700,7 +786,7 @@ mod tests {
         let table = table(&[Arm::Kvmesh, Arm::Smg], &runs);
         assert!(
             table.contains(
-                "| kvmesh | 3 | 0.850 [0.800-0.900] | 70 [60-80] | 800 [700-900] | 1.20 [1.10-1.30] | 1 | 2.00 |"
+                "| kvmesh | 3 | 0.850 [0.800-0.900] | 70 [60-80] | 800 [700-900] | 1.20 [1.10-1.30] | 5/4/3, ,  | 1 | 2.00 |"
             ),
             "{table}"
         );

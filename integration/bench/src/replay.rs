@@ -41,10 +41,10 @@ pub(crate) struct DeployArgs {
     /// (`--num-gpu-blocks-override`); vLLM 0.32 wants one block more than
     /// `--max-model-len` needs (33 for 4096).
     #[arg(long, default_value_t = 64)]
-    vllm_blocks: u32,
+    pub(crate) vllm_blocks: u32,
     /// vLLM only: `--max-model-len`, prompt plus completion in tokens.
     #[arg(long, default_value_t = 4096)]
-    max_model_len: u32,
+    pub(crate) max_model_len: u32,
     /// vLLM only: each worker publishes its KV cache events to the sidecar
     /// (`--kv-events`), which then evicts in step with the engines.
     #[arg(long)]

@@ -277,6 +277,9 @@ struct ClientOutcome {
     ttft_p99_ms: f64,
     /// kvmesh only: the sidecar's predictions against the engines' reports.
     extra: Value,
+    /// Replay: each call in the workload's order (session, TTFT, prompt and
+    /// cached tokens as the reply's usage says), for the result file.
+    calls: Value,
 }
 
 /// A running arm: where to send, where its engines count, and what to
@@ -425,6 +428,14 @@ async fn run_replay(o: &Options, arm: Arm, url: &str, model: &str, cluster: &Clu
         ttft_p50_ms: percentile(&ttft, 0.5),
         ttft_p99_ms: percentile(&ttft, 0.99),
         extra,
+        calls: requests
+            .iter()
+            .zip(&results)
+            .map(|(q, r)| {
+                json!({"session": q.session, "ok": r.ok, "ttft_ms": r.ttfb_ms, "latency_ms": r.latency_ms,
+                       "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens})
+            })
+            .collect(),
     })
 }
 
@@ -507,6 +518,8 @@ async fn run_aiperf(a: &AiperfArgs, url: &str, model: &str, dir: &Path) -> anyho
         ttft_p50_ms: ttft["p50"].as_f64().unwrap_or(f64::NAN),
         ttft_p99_ms: ttft["p99"].as_f64().unwrap_or(f64::NAN),
         extra: Value::Null,
+        // AIPerf's own per-call records are in its artifacts directory.
+        calls: Value::Null,
     })
 }
 
@@ -621,6 +634,7 @@ async fn run_arm(
         "wall_s": wall_s,
         "load_1m": load,
         "kvmesh": outcome.extra,
+        "calls": outcome.calls,
     });
     std::fs::write(dir.join("result.json"), serde_json::to_string_pretty(&result)?)?;
     Ok(result)

@@ -217,6 +217,67 @@ async fn reset_caches(http: &reqwest::Client, workers: &[String]) -> anyhow::Res
     Ok(())
 }
 
+/// Warm-up prompts stay under one engine block (128 tokens with the chat
+/// template), so they leave nothing in any prefix cache: vLLM caches whole
+/// blocks only.
+const WARM_UP_MAX_PROMPT_TOKENS: u64 = kvmesh_integration::vllm::BLOCK_SIZE_TOKENS;
+
+/// Rounds of warm-up requests before an engine that never answered is an
+/// error (Dynamo's router may send a round's requests to fewer engines).
+const WARM_UP_ROUNDS: usize = 20;
+
+/// Sends short chat calls, one to each of `targets` at once per round,
+/// until every engine behind `engine_metrics` has finished a request.
+/// A fresh vLLM CPU engine spends tens of seconds on its first request
+/// (measured on `dynamo.vllm`'s vLLM 0.31: the first calls of a run waited
+/// 20-37 s, later ones under a second): every arm's engines take that
+/// before the measured calls, not during them. Returns the calls sent.
+async fn warm_up(
+    http: &reqwest::Client,
+    targets: &[String],
+    model: &str,
+    engine_metrics: &[String],
+) -> anyhow::Result<usize> {
+    let mut sent = 0;
+    for round in 0..WARM_UP_ROUNDS {
+        if all_counts(http, engine_metrics)
+            .await?
+            .iter()
+            .all(|c| c.finished >= 1.0)
+        {
+            return Ok(sent);
+        }
+        let calls = targets.iter().enumerate().map(|(i, url)| {
+            let body = json!({
+                "model": model,
+                "messages": [{"role": "user", "content": format!("warm-up {round}.{i}")}],
+                "max_tokens": 2,
+            });
+            async move {
+                let reply: Value = http
+                    .post(format!("{url}/v1/chat/completions"))
+                    .timeout(Duration::from_secs(300))
+                    .json(&body)
+                    .send()
+                    .await?
+                    .error_for_status()?
+                    .json()
+                    .await?;
+                let prompt = reply["usage"]["prompt_tokens"].as_u64().unwrap_or(u64::MAX);
+                if prompt >= WARM_UP_MAX_PROMPT_TOKENS {
+                    bail!("a warm-up call counted {prompt} prompt tokens: it could leave a cached block");
+                }
+                anyhow::Ok(())
+            }
+        });
+        for done in futures_util::future::join_all(calls).await {
+            done.context("warming the engines up")?;
+        }
+        sent += targets.len();
+    }
+    bail!("an engine had not answered after {sent} warm-up calls")
+}
+
 /// The 1-minute load average, sampled every 2 s while a run lasts.
 struct LoadSampler {
     stop: Arc<AtomicBool>,
@@ -572,13 +633,23 @@ async fn run_arm(
     let workers: Vec<String> = cluster.workers.iter().map(|w| format!("http://{}", w.addr)).collect();
     let dir = o.out.join(format!("round{round}-{}", arm.name()));
     std::fs::create_dir_all(&dir)?;
-    if !matches!(arm, Arm::Dynamo | Arm::DynamoSticky) {
+    let dynamo = matches!(arm, Arm::Dynamo | Arm::DynamoSticky);
+    if !dynamo {
+        // The deployment's workers, each directly (no router learns from it).
+        let metrics: Vec<String> = workers.iter().map(|w| format!("{w}/metrics")).collect();
+        warm_up(http, &workers, SERVED_MODEL, &metrics).await?;
         reset_caches(http, &workers).await?;
     }
     let running = start_arm(o, arm, cluster, &workers, &dir).await?;
+    if dynamo {
+        // Dynamo's engines are reachable only through its frontend: as many
+        // calls at once as engines, which its router spreads by their load.
+        let targets = vec![running.url.clone(); running.engine_metrics.len()];
+        warm_up(http, &targets, &running.model, &running.engine_metrics).await?;
+    }
     let before = all_counts(http, &running.engine_metrics).await?;
-    if matches!(arm, Arm::Dynamo | Arm::DynamoSticky) && before.iter().any(|c| c.prompt > 0.0 || c.cached > 0.0) {
-        bail!("Dynamo's fresh engines have computed prompts already: {before:?}");
+    if dynamo && before.iter().any(|c| c.cached > 0.0) {
+        bail!("Dynamo's fresh engines have cached prompts already: {before:?}");
     }
     let load = LoadSampler::start();
     let started = Instant::now();

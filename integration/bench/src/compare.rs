@@ -336,7 +336,8 @@ struct ClientOutcome {
     failed: usize,
     ttft_p50_ms: f64,
     ttft_p99_ms: f64,
-    /// kvmesh only: the sidecar's predictions against the engines' reports.
+    /// kvmesh only: the sidecar's predictions against the engines' reports,
+    /// and each Pick's worker and reason.
     extra: Value,
     /// Replay: each call in the workload's order (session, TTFT, prompt and
     /// cached tokens as the reply's usage says), for the result file.
@@ -474,7 +475,11 @@ async fn run_replay(o: &Options, arm: Arm, url: &str, model: &str, cluster: &Clu
         // (Counted over the deployment's life: kvmesh runs once per round.)
         let (sidecar_errors, timeouts) = cluster.fail_opens().await?;
         if let Some(p) = p.as_object_mut() {
-            p.remove("calls");
+            // Each Pick's worker and reason, in the order sent: where a
+            // session went and why, beside `calls`' tokens.
+            if let Some(calls) = p.remove("calls") {
+                p.insert("picks".to_owned(), calls);
+            }
             p.remove("tokens_per_block");
             p.insert("fail_open_sidecar_errors".to_owned(), json!(sidecar_errors));
             p.insert("fail_open_timeouts".to_owned(), json!(timeouts));

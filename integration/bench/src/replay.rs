@@ -239,6 +239,8 @@ struct LoggedPick {
     /// The sidecar's own conversion to engine tokens (whole engine blocks).
     predicted_tokens: Option<u64>,
     destination: String,
+    /// Why the router chose it (`Reason::as_str`).
+    reason: String,
 }
 
 /// The value of `key=` in a tracing line (`session=a cached=3 ...`).
@@ -270,6 +272,7 @@ fn logged_picks(log: &str) -> HashMap<String, VecDeque<LoggedPick>> {
                 .unwrap_or_default()
                 .trim_matches('"')
                 .to_owned(),
+            reason: field(line, "reason").unwrap_or_default().trim_matches('"').to_owned(),
         });
     }
     picks
@@ -325,6 +328,7 @@ pub(crate) async fn predictions(
             calls.push(json!({
                 "session": requests[i].session,
                 "destination": pick.destination,
+                "reason": pick.reason,
                 "predicted_blocks": pick.predicted_blocks,
                 "predicted_cached_tokens": predicted,
                 "reported_cached_tokens": r.cached_tokens,

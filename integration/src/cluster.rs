@@ -480,9 +480,11 @@ impl Cluster {
             Engine::Vllm(vllm_options) => {
                 if options.kv_events {
                     // vLLM connects to the endpoint and the sidecar binds it
-                    // once the workers' addresses are known: a port free now.
+                    // once the workers' addresses are known (and again at
+                    // each restart): a port nobody is handed meanwhile.
                     for _ in 0..options.workers {
-                        kv_endpoints.push(Some(format!("tcp://127.0.0.1:{}", vllm::free_port()?)));
+                        let port = vllm::free_port_outside_ephemeral()?;
+                        kv_endpoints.push(Some(format!("tcp://127.0.0.1:{port}")));
                     }
                 }
                 let (count, vllm_options, at) = (options.workers, vllm_options.clone(), dir.clone());

@@ -15,6 +15,7 @@ use kvmesh_vocab::Harness;
 
 use crate::paths::{self, copy_dir};
 use crate::process::{Process, SpawnOptions};
+use crate::vllm::free_port;
 
 /// The versions `integration/harnesses/setup.sh` pins (docs/testing.md).
 pub const VERSIONS: [(Cli, &str); 4] = [
@@ -531,10 +532,4 @@ fn file_name(path: &Path) -> String {
     path.file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default()
-}
-
-/// A loopback port free now (OpenClaw's gateway takes a port number, not 0).
-fn free_port() -> anyhow::Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
 }

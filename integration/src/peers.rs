@@ -576,7 +576,7 @@ fn start_engine(
     let discovery = run.join("discovery");
     let mut last = None;
     for _ in 0..BIND_ATTEMPTS {
-        let port = free_port_below_32768()?;
+        let port = vllm::free_port_outside_ephemeral()?;
         let system_addr = SocketAddr::from(([127, 0, 0, 1], port));
         let started = Instant::now();
         let mut process = Process::spawn_with(
@@ -640,30 +640,6 @@ fn start_engine(
     }
     Err(last.unwrap_or_else(|| anyhow::anyhow!("no attempt to start {name}")))
         .context(format!("{name}: the port was taken {BIND_ATTEMPTS} times"))
-}
-
-/// A loopback port below 32768 that was free a moment ago. Dynamo 1.6.1
-/// reads `DYN_SYSTEM_PORT` as an `i16` ("invalid value unsigned int
-/// `40401`, expected i16 for key \"SYSTEM_PORT\"", and the worker exits),
-/// and the kernel's ephemeral ports (`free_port`) start at 32768. Probed
-/// from a point that differs by process and call, so that starts at once
-/// rarely try the same ports.
-fn free_port_below_32768() -> anyhow::Result<u16> {
-    const LOW: u32 = 20_000;
-    const SPAN: u32 = 32_768 - LOW;
-    static CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let calls = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let start = (std::process::id()
-        .wrapping_mul(7_919)
-        .wrapping_add(calls.wrapping_mul(389)))
-        % SPAN;
-    for i in 0..SPAN {
-        let port = u16::try_from(LOW + (start + i) % SPAN)?;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return Ok(port);
-        }
-    }
-    bail!("no free loopback port in {LOW}..32768")
 }
 
 /// The `python` arguments of one `dynamo.vllm` (the engine flags of

@@ -303,6 +303,44 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
+/// The lowest port `free_port_outside_ephemeral` hands out.
+const FIXED_PORTS_LOW: u16 = 20_000;
+
+/// A loopback port below the kernel's ephemeral range (32768 and up, where
+/// `free_port` and every outgoing connection's source port come from), free
+/// when probed and never handed out before by this process. For a port that
+/// must stay free from the probe until much later: a KV-events endpoint is
+/// fixed when its vLLM starts and bound by the sidecar minutes after (and
+/// again at each sidecar restart); an ephemeral port was taken in that gap
+/// once in about 20 deployments ("binding KV events … Address already in
+/// use"). Also Dynamo 1.6.1's `DYN_SYSTEM_PORT`, which it parses as an
+/// `i16`. Probed from a point that differs by process and call, so that
+/// processes starting at once rarely try the same ports.
+pub fn free_port_outside_ephemeral() -> anyhow::Result<u16> {
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let calls = u32::try_from(handed_out.len())?;
+    let start = std::process::id()
+        .wrapping_mul(7_919)
+        .wrapping_add(calls.wrapping_mul(389));
+    let port = next_fixed_port(start, &handed_out, |port| {
+        TcpListener::bind(("127.0.0.1", port)).is_ok()
+    })
+    .with_context(|| format!("no free loopback port in {FIXED_PORTS_LOW}..32768"))?;
+    handed_out.push(port);
+    Ok(port)
+}
+
+/// The first port from `start` (wrapping within `FIXED_PORTS_LOW..32768`)
+/// not in `handed_out` and `free`.
+fn next_fixed_port(start: u32, handed_out: &[u16], free: impl Fn(u16) -> bool) -> Option<u16> {
+    let low = u32::from(FIXED_PORTS_LOW);
+    let span = 32_768 - low;
+    (0..span)
+        .filter_map(|i| u16::try_from(low + (start.wrapping_add(i)) % span).ok())
+        .find(|port| !handed_out.contains(port) && free(*port))
+}
+
 /// A plain HTTP/1.1 GET, for readiness polls from threads without a
 /// runtime: the status and the raw body (not de-chunked).
 pub fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
@@ -390,6 +428,24 @@ mod tests {
         assert!(
             labels.contains(&("block_size".to_owned(), "128".to_owned())),
             "{labels:?}"
+        );
+    }
+
+    #[test]
+    fn fixed_ports_skip_ports_in_use_or_handed_out_and_stay_below_the_ephemeral_range() {
+        let low = FIXED_PORTS_LOW;
+        assert_eq!(next_fixed_port(0, &[], |_| true), Some(low));
+        assert_eq!(next_fixed_port(0, &[low], |p| p != low + 1), Some(low + 2));
+        // Wraps at 32768 back to the bottom of the range.
+        let last = 32_768 - u32::from(low) - 1;
+        assert_eq!(next_fixed_port(last, &[], |_| true), Some(32_767));
+        assert_eq!(next_fixed_port(last, &[32_767], |_| true), Some(low));
+        assert_eq!(next_fixed_port(7, &[], |_| false), None);
+        let a = free_port_outside_ephemeral().unwrap_or(0);
+        let b = free_port_outside_ephemeral().unwrap_or(0);
+        assert!(
+            (low..32_768).contains(&a) && (low..32_768).contains(&b) && a != b,
+            "{a} {b}"
         );
     }
 

@@ -33,7 +33,7 @@ pub(crate) trait Policy {
 
 pub(crate) const ALL: [&str; 12] = [
     "kvmesh",
-    "kvmesh_oracle",
+    "kvmesh_pick_time_cache",
     "kvmesh_no_retention",
     "dynamo",
     "dynamo_agents",
@@ -61,7 +61,7 @@ pub(crate) fn make(
     // `kvmesh_no_retention`: kvmesh with the eviction term it had before
     // retention (every cached token the same), everything else equal.
     for (prefix, overlaps, retention) in [
-        ("kvmesh_oracle", Overlaps::Oracle, true),
+        ("kvmesh_pick_time_cache", Overlaps::PickTimeCache, true),
         ("kvmesh_no_retention", Overlaps::Index, false),
         ("kvmesh", Overlaps::Index, true),
     ] {
@@ -167,12 +167,13 @@ pub(crate) struct Kvmesh {
 pub(crate) enum Overlaps {
     /// Its own prefix index, as the sidecar runs it (`kvmesh`).
     Index,
-    /// The engines' true caches (`kvmesh_oracle`): the same router fed
-    /// exact overlaps, host-tier blocks apart, through
-    /// `Router::pick_with_tier_overlaps`, the hook a
-    /// precise mode would use. The gap between the two is what the index's
-    /// approximation costs.
-    Oracle,
+    /// The engines' true caches at pick time (`kvmesh_pick_time_cache`):
+    /// the same router fed exact overlaps, host-tier blocks apart, through
+    /// `Router::pick_with_tier_overlaps`, the hook a precise mode would use.
+    /// The gap between the two is what the index's approximation costs. Not
+    /// an upper bound: every other term is still kvmesh's estimate, and the
+    /// cache can change before the prefill starts (`bound` has the bounds).
+    PickTimeCache,
 }
 
 impl Kvmesh {
@@ -198,9 +199,9 @@ impl Policy for Kvmesh {
         let input = r.pick_input(view.now as u64);
         let d = match self.overlaps {
             Overlaps::Index => self.router.pick(input),
-            Overlaps::Oracle => {
-                // Each engine's true cache, tier by tier: the oracle prices a
-                // host hit as the router does (`host_hit_credit`).
+            Overlaps::PickTimeCache => {
+                // Each engine's true cache, tier by tier: a host hit is
+                // priced as the router prices it (`host_hit_credit`).
                 let overlaps: Vec<(kvmesh_core::WorkerId, usize, usize)> = (0..view.workers())
                     .map(|w| {
                         let (blocks, host) = view.true_cached_tier_blocks(w, r);
@@ -268,6 +269,7 @@ fn kvmesh_config(base: RouterConfig, overrides: &str, prefill_rate: f64) -> Opti
             "move_margin" => &mut c.move_margin,
             "recent_prefill_weight" => &mut c.recent_prefill_weight,
             "host_hit_credit" => &mut c.host_hit_credit,
+            "spread_floor" => &mut c.spread_floor,
             _ => return None,
         };
         *field = value;
@@ -466,20 +468,20 @@ mod tests {
     }
 
     /// The index believes the prefix is where kvmesh sent it; the engine
-    /// that really holds it is another. The oracle follows the engine.
+    /// that really holds it is another. The pick-time cache follows the engine.
     #[test]
-    fn the_oracle_follows_the_engines_cache_not_the_index() {
+    fn the_pick_time_cache_follows_the_engines_cache_not_the_index() {
         let mut world = World::new(3, 1_000_000, TimingModel::default());
-        let mut oracle = make("kvmesh_oracle", 3, 1_000_000, 1, 20.0).unwrap();
+        let mut precise = make("kvmesh_pick_time_cache", 3, 1_000_000, 1, 20.0).unwrap();
         let doc = "shared tool schemas and a long repository context ".repeat(200);
         let first = request(0, "a", &doc, 1);
-        let believed = oracle.pick(&first, &world.view(0.0));
+        let believed = precise.pick(&first, &world.view(0.0));
         // Served elsewhere (as if the pick had failed over).
         let elsewhere = (believed + 1) % 3;
         let served = world.serve(elsewhere, &first, 0.0);
-        oracle.completed(elsewhere, &first, served.cached_tokens, served.ttft_ms, 0.0);
+        precise.completed(elsewhere, &first, served.cached_tokens, served.ttft_ms, 0.0);
         let next = request(1, "b", &(doc + " and one more turn"), 1);
-        assert_eq!(oracle.pick(&next, &world.view(60_000.0)), elsewhere);
+        assert_eq!(precise.pick(&next, &world.view(60_000.0)), elsewhere);
     }
 
     #[test]
@@ -497,7 +499,7 @@ mod tests {
             assert!(kvmesh_config(RouterConfig::default(), bad, 20.0).is_none(), "{bad}");
         }
         assert!(make("kvmesh@move_margin=0.5", 2, 1000, 1, 20.0).is_some());
-        assert!(make("kvmesh_oracle@move_margin=0.5", 2, 1000, 1, 20.0).is_some());
+        assert!(make("kvmesh_pick_time_cache@move_margin=0.5", 2, 1000, 1, 20.0).is_some());
         assert!(make("kvmeshx", 2, 1000, 1, 20.0).is_none());
     }
 }

@@ -42,6 +42,8 @@ pub(super) struct CostFacts {
     pub(super) queued_tokens: f64,
     pub(super) active_kv_tokens: f64,
     pub(super) recent_prefill_tokens: f64,
+    /// The worker's share of recent time spent prefilling (0 to 1).
+    pub(super) recent_utilization: f64,
     pub(super) live_sessions: u32,
     /// Cached blocks placing the request's new blocks would push out,
     /// each weighted by its retention value (1 each without retention).
@@ -93,6 +95,8 @@ pub(super) fn credited_cached_tokens(
 
 /// The router's cost formula (see the module doc of `router`).
 pub(super) fn cost(c: &RouterConfig, f: &CostFacts) -> Cost {
+    let floor = c.spread_floor.clamp(0.0, 1.0);
+    let spread = floor + (1.0 - floor) * f.recent_utilization.clamp(0.0, 1.0);
     let cached = credited_cached_tokens(c, f.overlap, f.host_overlap, f.block_tokens, f.request_tokens);
     let uncached = f.request_tokens - cached;
     let mut cost = Cost {
@@ -104,12 +108,12 @@ pub(super) fn cost(c: &RouterConfig, f: &CostFacts) -> Cost {
         // would recompute its prefix and flap back (its own departure
         // lightens its old home).
         sessions: if f.new_session {
-            c.session_weight * f64::from(f.live_sessions)
+            spread * c.session_weight * f64::from(f.live_sessions)
         } else {
             0.0
         },
         recent: if f.new_session {
-            c.recent_prefill_weight * f.recent_prefill_tokens
+            spread * c.recent_prefill_weight * f.recent_prefill_tokens
         } else {
             0.0
         },

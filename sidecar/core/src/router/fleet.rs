@@ -107,6 +107,25 @@ impl WorkerLoad {
 /// Half-life of a worker's recent prefill, in ms.
 const RECENT_PREFILL_HALF_LIFE_MS: f64 = 60_000.0;
 
+impl WorkerLoad {
+    /// The share of the last minutes this worker spent prefilling (0 to 1):
+    /// its recent prefill over what it would hold after prefilling without
+    /// pause at its rate (`rate · half_life / ln 2`, the decay's integral).
+    pub(super) fn recent_utilization(&self, default_rate: f64) -> f64 {
+        let rate = if self.prefill_tokens_per_ms > 0.0 {
+            self.prefill_tokens_per_ms
+        } else {
+            default_rate
+        };
+        let busy_tokens = rate * RECENT_PREFILL_HALF_LIFE_MS / std::f64::consts::LN_2;
+        if busy_tokens > 0.0 {
+            (self.recent_prefill_tokens / busy_tokens).clamp(0.0, 1.0)
+        } else {
+            1.0
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(super) struct Worker {
     pub(super) address: String,

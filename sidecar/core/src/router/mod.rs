@@ -15,6 +15,11 @@
 //!         - move_margin     · request_tokens            (hysteresis; the session's home only)
 //! ```
 //!
+//! With `spread_floor` below 1, the sessions and recent terms are scaled
+//! by `floor + (1 − floor) · utilization(w)`, the worker's recent share of
+//! time spent prefilling (an experiment, off by default: docs/benchmarks.md,
+//! "tau-bench with its system prompts").
+//!
 //! `uncached(w)` is the request's tokens minus the leading blocks `w` holds
 //! (a block in its host tier only counts `host_hit_credit` of one),
 //! so the longest cached prefix wins unless its worker is loaded enough that
@@ -123,6 +128,11 @@ pub struct RouterConfig {
     pub default_prefill_tokens_per_ms: f64,
     /// Per token of a worker's recent prefill, for placing new sessions.
     pub recent_prefill_weight: f64,
+    /// The two spreading terms (sessions, recent) count in full on a
+    /// worker busy all of late (recent utilization 1) and this fraction of
+    /// it on an idle one, linearly between: spreading new sessions buys
+    /// shorter queues, which a busy worker has. 1: always in full.
+    pub spread_floor: f64,
     /// Heap bytes the prefix index may hold, whatever the caches report.
     pub index_budget_bytes: usize,
     /// Distinct models whose bytes per token are remembered; past it the
@@ -178,6 +188,7 @@ impl Default for RouterConfig {
             // prefill than 0.05 with a lower TTFT p99 and imbalance
             // (docs/benchmarks.md, "The corrected field").
             recent_prefill_weight: 0.2,
+            spread_floor: 1.0,
             index_budget_bytes: 1 << 30,
             max_pick_age_ms: 15 * 60 * 1000,
             // Far more models than one GPU cluster serves; small enough
@@ -391,6 +402,7 @@ impl Router {
                         + w.load.engine_waiting * self.config.waiting_request_tokens,
                     active_kv_tokens: w.load.active_kv_tokens,
                     recent_prefill_tokens: w.load.recent_prefill_tokens,
+                    recent_utilization: w.load.recent_utilization(self.config.default_prefill_tokens_per_ms),
                     live_sessions: self.sessions.hosted(id),
                     evicted_blocks,
                     new_session: home.is_none(),

@@ -115,6 +115,33 @@ fn new_sessions_spread_even_when_they_share_a_tool_list() {
     assert_eq!(seen, [4, 4, 4]);
 }
 
+/// `spread_floor` scales the spreading terms by the worker's recent
+/// utilization: on an idle fleet, new sessions sharing a long prefix (a
+/// domain's system prompt) stay where it is cached instead of computing it
+/// again elsewhere; at the default (1, in full) they spread.
+#[test]
+fn on_an_idle_fleet_a_spread_floor_keeps_new_sessions_on_their_shared_prefix() {
+    let placements = |spread_floor: f64| {
+        let config = RouterConfig {
+            spread_floor,
+            ..RouterConfig::default()
+        };
+        let mut r = Router::new(config, (0..3).map(|i| format!("10.0.0.{i}:8000")));
+        let mut seen = [0usize; 3];
+        for s in 0..12u64 {
+            let hashes: Vec<u64> = blocks(99, 24).into_iter().chain(blocks(s + 1, 4)).collect();
+            let d = pick(&mut r, &hashes, &format!("s{s}"));
+            seen[d.ranked[0].0] += 1;
+            done(&mut r, &d);
+        }
+        seen
+    };
+    let full = placements(1.0);
+    assert!(full.iter().filter(|&&n| n > 0).count() > 1, "{full:?}");
+    let floor = placements(0.0);
+    assert_eq!(floor.iter().max(), Some(&12), "{floor:?}");
+}
+
 #[test]
 fn sixteen_subagents_seed_on_the_parent_and_spill_in_order() {
     let mut r = router(4);

@@ -21,7 +21,7 @@ use kvmesh_core::Lru;
 use sha2::{Digest, Sha256};
 
 /// Tokens per KV block, as vLLM's default block size.
-const BLOCK_TOKENS: u64 = 16;
+pub const BLOCK_TOKENS: u64 = 16;
 /// Bytes per token: a rough average of English text and code under BPE.
 pub const BYTES_PER_TOKEN: u64 = 4;
 const BLOCK_BYTES: usize = (BLOCK_TOKENS * BYTES_PER_TOKEN) as usize;
@@ -226,14 +226,7 @@ impl Engine {
     /// to compute. The request counts as running from here.
     pub fn begin_prefill(&mut self, prompt: &[u8]) -> Prefill {
         let prompt_tokens = (prompt.len() as u64).div_ceil(BYTES_PER_TOKEN);
-        let mut chain = [0u8; 32];
-        let blocks: Vec<[u8; 32]> = prompt
-            .chunks_exact(BLOCK_BYTES)
-            .map(|block| {
-                chain = Sha256::new().chain_update(chain).chain_update(block).finalize().into();
-                chain
-            })
-            .collect();
+        let blocks = block_chain(prompt);
         // Look every block up first, then touch: touching as it goes could
         // evict a later block of this very prompt before its lookup. The
         // GPU hits are touched first, so loading the host hits back (each
@@ -399,6 +392,19 @@ impl Engine {
 
 /// Unix time in seconds. A clock before 1970 reads as 0: the value only
 /// needs to differ between restarts, which `Engine::restart` ensures.
+/// The hashes of `prompt`'s full blocks, each chained over the ones before
+/// it: equal hashes, equal prefixes (the engine's cache keys).
+pub fn block_chain(prompt: &[u8]) -> Vec<[u8; 32]> {
+    let mut chain = [0u8; 32];
+    prompt
+        .chunks_exact(BLOCK_BYTES)
+        .map(|block| {
+            chain = Sha256::new().chain_update(chain).chain_update(block).finalize().into();
+            chain
+        })
+        .collect()
+}
+
 fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

@@ -198,7 +198,7 @@ impl View<'_> {
     }
 
     /// The engine's true cache (only the peers fed its KV events may look,
-    /// `dynamo*` and `llm_d_precise`, and `kvmesh_oracle`, which stands for
+    /// `dynamo*` and `llm_d_precise`, and `kvmesh_pick_time_cache`, which stands for
     /// kvmesh with exact knowledge of each engine's cache).
     pub(crate) fn true_cached_tokens(&self, w: usize, prompt: &[u8]) -> u64 {
         self.workers[w].engine.peek_cached_tokens(prompt)
@@ -220,7 +220,7 @@ impl View<'_> {
     }
 
     /// `true_cached_blocks`, and how many of them the engine holds in its
-    /// host tier only (the oracle's view of the tiers).
+    /// host tier only (`kvmesh_pick_time_cache`'s view of the tiers).
     pub(crate) fn true_cached_tier_blocks(&self, w: usize, r: &Prepared) -> (usize, usize) {
         let (tokens, host) = self.workers[w].engine.peek_cached_tiers(&r.prompt);
         let blocks =

@@ -65,13 +65,35 @@ impl Router {
         if id.0 >= self.workers.len() {
             return effect;
         }
-        if change.cleared {
-            effect.wiped = self.restart(id);
-        }
         let tokens_per_block = self.tokens_per_block(id);
+        if change.cleared {
+            // vLLM publishes a reset with the events of its next step, the
+            // first after it: by then kvmesh may have placed the requests
+            // of that step, whose blocks the same batch stores. They are
+            // the newest kvmesh placed there, since the worker's previous
+            // batch, and stay; wiping them too sent a session's second
+            // call away from the blocks its first had just computed
+            // (docs/benchmarks.md, the agents run). At most what the batch
+            // stored, and only blocks placed since the previous batch: an
+            // older block was stored before the reset.
+            let worker = self.workers.get(id.0);
+            let block_tokens = Some(change.engine_block_tokens)
+                .filter(|&t| t > 0)
+                .or_else(|| worker.and_then(|w| w.engine_block_tokens));
+            let placed_since = worker.map_or(0, |w| w.placed_since_events);
+            let stored_since = change.resident_blocks.unwrap_or(change.stored_blocks);
+            let stored = match block_tokens {
+                Some(tokens) if tokens_per_block > 0.0 && tokens_per_block.is_finite() => {
+                    (stored_since as f64 * f64::from(tokens) / tokens_per_block).floor() as usize
+                }
+                _ => 0,
+            };
+            effect.wiped = self.forget_cache_keeping_newest(id, stored.min(placed_since));
+        }
         let Some(worker) = self.workers.get_mut(id.0) else {
             return effect;
         };
+        worker.placed_since_events = 0;
         if change.cleared {
             worker.removal_carry = 0.0;
             worker.host_removal_carry = 0.0;

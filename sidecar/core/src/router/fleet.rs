@@ -153,6 +153,10 @@ pub(super) struct Worker {
     /// The same for the engine's host tier (host-only blocks).
     pub(super) engine_host_only_blocks: Option<u64>,
     pub(super) host_removal_carry: f64,
+    /// Blocks kvmesh placed here, not cached at their pick, since the
+    /// engine's last batch of KV events: the most a reset published in
+    /// the next batch can have seen the engine store after it.
+    pub(super) placed_since_events: usize,
 }
 
 impl Worker {
@@ -234,6 +238,7 @@ impl Router {
             removal_carry: 0.0,
             engine_host_only_blocks: None,
             host_removal_carry: 0.0,
+            placed_since_events: 0,
         });
         self.by_address.insert(address.to_owned(), id);
         id
@@ -268,13 +273,25 @@ impl Router {
         self.retention.clear_worker(id);
     }
 
-    /// The engine restarted or reset its cache: nothing is cached there.
     /// The engine restarted or reset its cache: forget every block kvmesh
     /// placed there, and the closed loop's corrections to its capacity (they
     /// described a cache that is gone): the estimate starts again from the
     /// engine's own figure.
     pub fn restart(&mut self, id: WorkerId) -> usize {
-        let dropped = self.index.clear_worker(id);
+        self.forget_cache_keeping_newest(id, 0)
+    }
+
+    /// `restart`, but the newest `kept` blocks kvmesh placed on the worker
+    /// stay: those the engine has stored since its reset. Every older block
+    /// and every host-only one goes.
+    pub(super) fn forget_cache_keeping_newest(&mut self, id: WorkerId, kept: usize) -> usize {
+        let dropped = if kept == 0 {
+            self.index.clear_worker(id)
+        } else {
+            let older = self.index.len(id).saturating_sub(kept);
+            let host_only = self.index.host_len(id);
+            self.index.drop_oldest(id, older) + self.index.drop_oldest_host(id, host_only)
+        };
         self.retention.clear_worker(id);
         if let Some(worker) = self.workers.get(id.0) {
             let ceiling = worker.capacity_ceiling;

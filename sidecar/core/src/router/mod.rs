@@ -570,6 +570,9 @@ impl Router {
         input: &PickInput<'_>,
     ) {
         self.index.insert(id, full_blocks);
+        if let Some(worker) = self.workers.get_mut(id.0) {
+            worker.placed_since_events = worker.placed_since_events.saturating_add(new_blocks);
+        }
         let key = input.routing_key();
         self.retention.on_pick(
             key,

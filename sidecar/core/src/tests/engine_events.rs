@@ -1,4 +1,5 @@
-//! The engine's KV events drive the index: a clear wipes the worker, a
+//! The engine's KV events drive the index: a clear wipes the worker (but
+//! for the blocks stored after it in the same batch), a
 //! removal evicts its oldest blocks in step, converted from engine tokens
 //! to kvmesh blocks. Before any Pick a kvmesh block is 256 bytes at 4 bytes
 //! per token: 64 engine tokens, so one 128-token engine block is 2 of them.
@@ -101,13 +102,12 @@ fn fractions_of_a_block_carry_to_the_next_batch() {
 }
 
 #[test]
-fn a_clear_wipes_the_worker_as_a_restart_does() {
+fn a_clear_alone_wipes_the_worker_as_a_restart_does() {
     let mut r = placed(20);
     let change = EngineCacheChange {
         cleared: true,
-        stored_blocks: 2,
         engine_block_tokens: 128,
-        resident_blocks: Some(2),
+        resident_blocks: Some(0),
         ..EngineCacheChange::default()
     };
     assert_eq!(
@@ -119,7 +119,58 @@ fn a_clear_wipes_the_worker_as_a_restart_does() {
     );
     let view = &r.workers()[0];
     assert_eq!(view.cached_blocks, 0);
-    assert_eq!(view.engine_resident_blocks, Some(2));
+    assert_eq!(view.engine_resident_blocks, Some(0));
     // An unknown worker is ignored.
     assert_eq!(r.engine_events(WorkerId(7), &change), EngineCacheEffect::default());
+}
+
+/// vLLM publishes a reset with its next step's events, which store the
+/// blocks of the first request after the reset: kvmesh placed that request
+/// before the clear reached it, and keeps its blocks, so the session's next
+/// call finds them; what was placed before the reset goes.
+#[test]
+fn a_clear_keeps_the_blocks_stored_after_it_in_the_same_batch() {
+    let mut r = placed(20);
+    let pick = |r: &mut Router, blocks: &[u64], now_ms| {
+        r.pick(PickInput {
+            block_hashes: blocks,
+            block_bytes: 256,
+            prompt_bytes: 256 * blocks.len() as u64,
+            session_id: "after",
+            model: "m",
+            now_ms,
+            ..PickInput::default()
+        })
+    };
+    let after: Vec<u64> = (101..=110).collect();
+    pick(&mut r, &after, 2_000);
+    assert_eq!(r.workers()[0].cached_blocks, 30);
+    // 5 engine blocks of 128 tokens stored since the clear: 10 of ours.
+    let change = EngineCacheChange {
+        cleared: true,
+        stored_blocks: 5,
+        engine_block_tokens: 128,
+        resident_blocks: Some(5),
+        ..EngineCacheChange::default()
+    };
+    assert_eq!(r.engine_events(W, &change).wiped, 20);
+    let mut left = r.index().blocks_oldest_first(W);
+    left.sort_unstable();
+    assert_eq!(left, after);
+    let next: Vec<u64> = (101..=112).collect();
+    let d = pick(&mut r, &next, 3_000);
+    assert_eq!(d.predicted_cached_blocks, 10);
+    // A reset whose first step was a request kvmesh did not place (straight
+    // to the engine): every block kvmesh placed before it goes, though the
+    // batch stored as many, since they were placed before the previous
+    // batch.
+    let quiet = EngineCacheChange {
+        stored_blocks: 1,
+        engine_block_tokens: 128,
+        resident_blocks: Some(6),
+        ..EngineCacheChange::default()
+    };
+    r.engine_events(W, &quiet);
+    assert_eq!(r.engine_events(W, &change).wiped, 12);
+    assert_eq!(r.workers()[0].cached_blocks, 0);
 }

@@ -649,23 +649,38 @@ mod tests {
     use super::trace::Request;
     use super::*;
 
+    /// A session's `turns` calls 100 ms apart from `start_ms`, each its
+    /// `context` grown by that turn's text.
+    fn growing_session(
+        requests: &mut Vec<Request>,
+        session: &str,
+        start_ms: f64,
+        mut context: String,
+        turns: usize,
+        turn_text: impl Fn(usize) -> String,
+    ) {
+        for turn in 0..turns {
+            context.push_str(&turn_text(turn));
+            requests.push(Request {
+                at_ms: start_ms + turn as f64 * 100.0,
+                session: session.to_owned(),
+                parent: String::new(),
+                text: context.clone(),
+                output_tokens: 20,
+                session_final: false,
+            });
+        }
+    }
+
     /// Three agent sessions and a subagent, each call a long prompt whose
     /// prefill (~400 ms) outlasts the recorded gap between calls (100 ms).
     fn agents() -> Vec<Request> {
         let mut requests = Vec::new();
         for s in 0..3 {
-            let mut context = format!("session {s} ") + &"read the file and run the tests ".repeat(1000);
-            for turn in 0..5 {
-                context.push_str(&format!(" turn {turn} result ").repeat(50));
-                requests.push(Request {
-                    at_ms: s as f64 * 10.0 + turn as f64 * 100.0,
-                    session: format!("s{s}"),
-                    parent: String::new(),
-                    text: context.clone(),
-                    output_tokens: 20,
-                    session_final: false,
-                });
-            }
+            let context = format!("session {s} ") + &"read the file and run the tests ".repeat(1000);
+            growing_session(&mut requests, &format!("s{s}"), s as f64 * 10.0, context, 5, |turn| {
+                format!(" turn {turn} result ").repeat(50)
+            });
         }
         for turn in 0..3 {
             requests.push(Request {
@@ -731,18 +746,10 @@ mod tests {
         let mut requests = Vec::new();
         for s in 0..8 {
             let domain = if s % 2 == 0 { "airline" } else { "retail" };
-            let mut context = format!("{domain} policy and tools ").repeat(600);
-            for turn in 0..4 {
-                context.push_str(&format!(" session {s} turn {turn} ").repeat(40));
-                requests.push(Request {
-                    at_ms: s as f64 * 300.0 + turn as f64 * 100.0,
-                    session: format!("d{s}"),
-                    parent: String::new(),
-                    text: context.clone(),
-                    output_tokens: 20,
-                    session_final: false,
-                });
-            }
+            let context = format!("{domain} policy and tools ").repeat(600);
+            growing_session(&mut requests, &format!("d{s}"), s as f64 * 300.0, context, 4, |turn| {
+                format!(" session {s} turn {turn} ").repeat(40)
+            });
         }
         requests.sort_by(|a, b| a.at_ms.total_cmp(&b.at_ms));
         requests

@@ -305,6 +305,9 @@ pub fn free_port() -> anyhow::Result<u16> {
 
 /// The lowest port `free_port_outside_ephemeral` hands out.
 const FIXED_PORTS_LOW: u16 = 20_000;
+/// The first port of Linux's default ephemeral range
+/// (`net.ipv4.ip_local_port_range`).
+const EPHEMERAL_LOW: u16 = 32_768;
 
 /// A loopback port below the kernel's ephemeral range (32768 and up, where
 /// `free_port` and every outgoing connection's source port come from), free
@@ -326,16 +329,16 @@ pub fn free_port_outside_ephemeral() -> anyhow::Result<u16> {
     let port = next_fixed_port(start, &handed_out, |port| {
         TcpListener::bind(("127.0.0.1", port)).is_ok()
     })
-    .with_context(|| format!("no free loopback port in {FIXED_PORTS_LOW}..32768"))?;
+    .with_context(|| format!("no free loopback port in {FIXED_PORTS_LOW}..{EPHEMERAL_LOW}"))?;
     handed_out.push(port);
     Ok(port)
 }
 
-/// The first port from `start` (wrapping within `FIXED_PORTS_LOW..32768`)
-/// not in `handed_out` and `free`.
+/// The first port from `start` (wrapping within
+/// `FIXED_PORTS_LOW..EPHEMERAL_LOW`) not in `handed_out` and `free`.
 fn next_fixed_port(start: u32, handed_out: &[u16], free: impl Fn(u16) -> bool) -> Option<u16> {
     let low = u32::from(FIXED_PORTS_LOW);
-    let span = 32_768 - low;
+    let span = u32::from(EPHEMERAL_LOW) - low;
     (0..span)
         .filter_map(|i| u16::try_from(low + (start.wrapping_add(i)) % span).ok())
         .find(|port| !handed_out.contains(port) && free(*port))

@@ -390,8 +390,6 @@ impl Engine {
     }
 }
 
-/// Unix time in seconds. A clock before 1970 reads as 0: the value only
-/// needs to differ between restarts, which `Engine::restart` ensures.
 /// The hashes of `prompt`'s full blocks, each chained over the ones before
 /// it: equal hashes, equal prefixes (the engine's cache keys).
 pub fn block_chain(prompt: &[u8]) -> Vec<[u8; 32]> {
@@ -405,6 +403,8 @@ pub fn block_chain(prompt: &[u8]) -> Vec<[u8; 32]> {
         .collect()
 }
 
+/// Unix time in seconds. A clock before 1970 reads as 0: the value only
+/// needs to differ between restarts, which `Engine::restart` ensures.
 fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

@@ -402,7 +402,13 @@ impl Router {
                         + w.load.engine_waiting * self.config.waiting_request_tokens,
                     active_kv_tokens: w.load.active_kv_tokens,
                     recent_prefill_tokens: w.load.recent_prefill_tokens,
-                    recent_utilization: w.load.recent_utilization(self.config.default_prefill_tokens_per_ms),
+                    // Read only where `spread_floor` weighs it: off the
+                    // default Pick's per-worker loop.
+                    recent_utilization: if self.config.spread_floor < 1.0 {
+                        w.load.recent_utilization(self.config.default_prefill_tokens_per_ms)
+                    } else {
+                        1.0
+                    },
                     live_sessions: self.sessions.hosted(id),
                     evicted_blocks,
                     new_session: home.is_none(),

@@ -8,7 +8,8 @@
 use serde_json::{Value, json};
 
 use crate::agent::{CallInput, Script, ToolCall};
-use crate::engine::{BYTES_PER_TOKEN, Served};
+use crate::engine::Served;
+use crate::tokenizer;
 
 /// An inference API, by its path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -379,16 +380,16 @@ impl ScriptedReply {
         }
     }
 
-    /// Decode steps: the reply's tokens, at the engine's bytes per token (a
-    /// model stops at the end of its turn, not at `max_tokens`), within
-    /// the call's output limit.
+    /// Decode steps: the reply's tokens, as the engine's tokenizer counts
+    /// them (a model stops at the end of its turn, not at `max_tokens`),
+    /// within the call's output limit.
     pub fn output_tokens(&self) -> u32 {
         let said = self.said();
         let name = match &said {
             Said::Text(_) => 0,
-            Said::Function { call, .. } | Said::Custom { call, .. } => call.name.len(),
+            Said::Function { call, .. } | Said::Custom { call, .. } => tokenizer::count(call.name.as_bytes()),
         };
-        let tokens = (said.payload().len() + name).div_ceil(BYTES_PER_TOKEN as usize);
+        let tokens = tokenizer::count(said.payload().as_bytes()) + name;
         u32::try_from(tokens)
             .unwrap_or(u32::MAX)
             .clamp(1, self.call.output_tokens.max(1))
@@ -763,8 +764,11 @@ mod tests {
             uid: "u".to_owned(),
             created: 0,
         };
-        // 8 bytes: 2 tokens; 40 bytes: 10, capped at max_tokens 4.
-        assert_eq!(reply("12345678", &body).output_tokens(), 2);
+        // As many steps as the tokenizer's tokens, capped at max_tokens 4.
+        let short = "the worker";
+        let tokens = tokenizer::count(short.as_bytes());
+        assert!((1..4).contains(&tokens), "{tokens}");
+        assert_eq!(reply(short, &body).output_tokens() as usize, tokens);
         assert_eq!(reply(&"x".repeat(40), &body).output_tokens(), 4);
         assert_eq!(reply("", &body).output_tokens(), 1);
         let long = reply(&"x".repeat(40), &body);

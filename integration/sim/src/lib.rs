@@ -9,3 +9,4 @@ pub mod agent;
 pub mod api;
 pub mod engine;
 pub mod timing;
+pub mod tokenizer;

@@ -36,10 +36,11 @@ use sha2::{Digest, Sha256};
 
 use kvmesh_sim::agent::{self, Script};
 use kvmesh_sim::api::{Api, Call, Reply, ScriptedReply};
-use kvmesh_sim::engine::{Engine, EngineConfig, Served};
+use kvmesh_sim::engine::{Engine, EngineConfig, Running, Served};
 use kvmesh_sim::timing::{
     H100_8B_KV_BYTES_PER_TOKEN, H100_8B_WEIGHT_BYTES, H100_MEMORY_BYTES_PER_MS, PREFILL_CHUNK_TOKENS, TimingModel,
 };
+use kvmesh_sim::tokenizer::Tokenizer;
 
 /// kvmesh-sim: a simulated OpenAI-compatible GPU worker with a prefix cache.
 #[derive(Debug, Parser)]
@@ -139,6 +140,11 @@ struct App {
     /// Prefills run one at a time, in arrival order (tokio's mutex is
     /// fair): the engine's prefill queue.
     prefill_lane: Arc<tokio::sync::Mutex<()>>,
+    /// Told when a request releases its blocks: the request at the head
+    /// of the queue may fit now.
+    freed: Arc<tokio::sync::Notify>,
+    /// The engine's tokenizer, with its memo of what it has encoded.
+    tokenizer: Arc<Mutex<Tokenizer>>,
     timing: TimingModel,
     fault: Arc<Mutex<Fault>>,
     args: Arc<Args>,
@@ -155,6 +161,10 @@ struct App {
 impl App {
     fn engine(&self) -> std::sync::MutexGuard<'_, Engine> {
         self.engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn tokenizer(&self) -> std::sync::MutexGuard<'_, Tokenizer> {
+        self.tokenizer.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn fault(&self) -> Fault {
@@ -216,6 +226,8 @@ async fn main() -> anyhow::Result<()> {
         name: name.clone(),
         engine: Arc::new(Mutex::new(engine)),
         prefill_lane: Arc::new(tokio::sync::Mutex::new(())),
+        freed: Arc::new(tokio::sync::Notify::new()),
+        tokenizer: Arc::new(Mutex::new(Tokenizer::new()?)),
         timing,
         fault: Arc::new(Mutex::new(Fault::default())),
         args: Arc::new(args),
@@ -385,13 +397,26 @@ async fn serve(app: App, api: Api, headers: HeaderMap, body: Bytes) -> Response 
 /// Waits for the prefill lane, looks the prompt up when its prefill starts,
 /// and caches its blocks chunk by chunk as they are computed. The request
 /// then decodes over its prompt's KV.
-async fn prefill(app: &App, prompt: &[u8]) -> Served {
+async fn prefill(app: &App, prompt: &[u8]) -> Running {
+    let tokens = app.tokenizer().encode(prompt);
     app.engine().enqueue();
     let lane = app.prefill_lane.lock().await;
-    let mut prefill = {
-        let mut engine = app.engine();
-        engine.dequeue();
-        engine.begin_prefill(prompt)
+    // Admitted once its blocks fit beside the running requests' (the lane
+    // waits with it: first come, first served).
+    let mut prefill = loop {
+        let freed = app.freed.notified();
+        let admitted = {
+            let mut engine = app.engine();
+            let admitted = engine.try_begin_prefill(&tokens);
+            if admitted.is_some() {
+                engine.dequeue();
+            }
+            admitted
+        };
+        match admitted {
+            Some(running) => break running,
+            None => freed.await,
+        }
     };
     let timing = app.timing();
     let uncached = prefill.served.uncached_tokens();
@@ -405,7 +430,7 @@ async fn prefill(app: &App, prompt: &[u8]) -> Served {
     }
     drop(lane);
     app.engine().attend(prefill.served.prompt_tokens);
-    prefill.served
+    prefill
 }
 
 /// One decode step, as long as the running batch's KV makes it; the
@@ -416,9 +441,12 @@ async fn decode_step(app: &App) {
     app.engine().attend(1);
 }
 
-/// The request is done: it held its prompt and its generated tokens.
-fn finish(app: &App, served: &Served, generated: u32) {
-    app.engine().finish(served.prompt_tokens + u64::from(generated));
+/// The request is done: it held its prompt and its generated tokens. Its
+/// blocks are released, and a request waiting for room may be admitted.
+fn finish(app: &App, running: Running, generated: u32) {
+    let attended = running.served.prompt_tokens + u64::from(generated);
+    app.engine().finish(running, attended);
+    app.freed.notify_waiters();
 }
 
 fn reply_text(app: &App, served: &Served) -> String {
@@ -442,18 +470,20 @@ async fn reply(app: &App, call: Call) -> Response {
         return response;
     }
     if !call.stream {
-        let served = prefill(app, &call.prompt).await;
+        let running = prefill(app, &call.prompt).await;
+        let served = running.served;
         for _ in 0..call.output_tokens {
             decode_step(app).await;
         }
-        finish(app, &served, call.output_tokens);
+        finish(app, running, call.output_tokens);
         let text = reply_text(app, &served);
         let reply = Reply { call, served, text };
         return axum::Json(reply.json()).into_response();
     }
     let app = app.clone();
     let events = async_stream(move |tx| async move {
-        let served = prefill(&app, &call.prompt).await;
+        let running = prefill(&app, &call.prompt).await;
+        let served = running.served;
         let text = reply_text(&app, &served);
         let reply = Reply { call, served, text };
         for event in reply.sse_start() {
@@ -468,7 +498,7 @@ async fn reply(app: &App, call: Call) -> Response {
         for event in reply.sse_end() {
             let _ = tx.send(Bytes::from(event)).await;
         }
-        finish(&app, &reply.served, reply.call.output_tokens);
+        finish(&app, running, reply.call.output_tokens);
     });
     sse_response(events)
 }
@@ -480,19 +510,19 @@ async fn reply_scripted(app: &App, call: Call, script: Script) -> Response {
         return response;
     }
     if !call.stream {
-        let served = prefill(app, &call.prompt).await;
-        let reply = app.scripted(call, served, script);
+        let running = prefill(app, &call.prompt).await;
+        let reply = app.scripted(call, running.served, script);
         let output_tokens = reply.output_tokens();
         for _ in 0..output_tokens {
             decode_step(app).await;
         }
-        finish(app, &served, output_tokens);
+        finish(app, running, output_tokens);
         return axum::Json(reply.json()).into_response();
     }
     let app = app.clone();
     let events = async_stream(move |tx| async move {
-        let served = prefill(&app, &call.prompt).await;
-        let reply = app.scripted(call, served, script);
+        let running = prefill(&app, &call.prompt).await;
+        let reply = app.scripted(call, running.served, script);
         let events = reply.sse();
         for event in events.start {
             let _ = tx.send(Bytes::from(event)).await;
@@ -506,7 +536,8 @@ async fn reply_scripted(app: &App, call: Call, script: Script) -> Response {
         for event in events.end {
             let _ = tx.send(Bytes::from(event)).await;
         }
-        finish(&app, &served, reply.output_tokens());
+        let output_tokens = reply.output_tokens();
+        finish(&app, running, output_tokens);
     });
     sse_response(events)
 }

@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use kvmesh_sim::engine::{BLOCK_TOKENS, BYTES_PER_TOKEN, block_chain};
+use kvmesh_sim::engine::block_chain;
 
 /// The hit rates of the two offline caches on one workload.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -26,20 +26,24 @@ pub(crate) struct Bounds {
 }
 
 /// Both bounds for `prompts` (in arrival order) over a pooled capacity of
-/// `pooled_blocks` engine blocks.
-pub(crate) fn bounds<'a>(prompts: impl IntoIterator<Item = &'a [u8]>, pooled_blocks: u64) -> Bounds {
+/// `pooled_blocks` engine blocks of `block_tokens`.
+pub(crate) fn bounds<'a>(
+    prompts: impl IntoIterator<Item = &'a [u32]>,
+    pooled_blocks: u64,
+    block_tokens: u64,
+) -> Bounds {
     // Every block access in order, each block interned to a small id.
     let mut ids: HashMap<[u8; 32], u32> = HashMap::new();
     let mut accesses: Vec<u32> = Vec::new();
     let mut prompt_tokens = 0u64;
     for prompt in prompts {
-        prompt_tokens += (prompt.len() as u64).div_ceil(BYTES_PER_TOKEN);
-        for block in block_chain(prompt) {
+        prompt_tokens += prompt.len() as u64;
+        for block in block_chain(prompt, block_tokens) {
             let next = u32::try_from(ids.len()).unwrap_or(u32::MAX);
             accesses.push(*ids.entry(block).or_insert(next));
         }
     }
-    let rate = |hits: u64| (hits * BLOCK_TOKENS) as f64 / prompt_tokens.max(1) as f64;
+    let rate = |hits: u64| (hits * block_tokens) as f64 / prompt_tokens.max(1) as f64;
     Bounds {
         infinite_cache: rate(accesses.len() as u64 - ids.len() as u64),
         pooled_belady: rate(belady_hits(&accesses, pooled_blocks)),
@@ -105,14 +109,14 @@ mod tests {
 
     #[test]
     fn the_pooled_bound_lies_between_nothing_and_the_infinite_cache() {
-        let shared = b"system prompt and tools ".repeat(200);
-        let prompts: Vec<Vec<u8>> = (0..6u8)
-            .map(|s| [shared.clone(), vec![b'a' + s; 2_000]].concat())
-            .chain((0..6u8).map(|s| [shared.clone(), vec![b'a' + s; 4_000]].concat()))
+        let shared: Vec<u32> = (0..1_200).collect();
+        let prompts: Vec<Vec<u32>> = (0..6u32)
+            .map(|s| [shared.clone(), vec![5_000 + s; 500]].concat())
+            .chain((0..6u32).map(|s| [shared.clone(), vec![5_000 + s; 1_000]].concat()))
             .collect();
         let views = || prompts.iter().map(Vec::as_slice);
-        let roomy = bounds(views(), 1 << 20);
-        let tight = bounds(views(), 120);
+        let roomy = bounds(views(), 1 << 20, 16);
+        let tight = bounds(views(), 120, 16);
         assert!(roomy.infinite_cache > 0.5, "{roomy:?}");
         assert!((roomy.pooled_belady - roomy.infinite_cache).abs() < 1e-12, "{roomy:?}");
         assert_eq!(tight.infinite_cache, roomy.infinite_cache);

@@ -19,7 +19,6 @@ use std::path::PathBuf;
 use anyhow::bail;
 use kvmesh_core::{Call, Cost, Decision, Holdings, InsightConfig, Insights, Totals, WorkerId};
 use kvmesh_request::FilterConfig;
-use kvmesh_sim::engine::{BLOCK_TOKENS, BYTES_PER_TOKEN};
 use kvmesh_sim::timing::TimingModel;
 use serde_json::json;
 
@@ -44,6 +43,21 @@ pub(crate) struct Options {
     /// the engine model's 131,072 KV bytes per token, ~190.7).
     #[arg(long)]
     host_load_tokens_per_ms: Option<f64>,
+    /// The engines' KV block, in tokens (a multiple of 16): vLLM's default
+    /// on GPUs is 16, its CPU backend's 128.
+    #[arg(long, default_value_t = 16)]
+    engine_block_tokens: u64,
+    /// The engines' prefill speed, uncached prompt tokens per ms (default:
+    /// the H100 model's 20).
+    #[arg(long)]
+    prefill_tokens_per_ms: Option<f64>,
+    /// A decode step's time with an empty batch, in ms (the weights' read;
+    /// default: the H100 model's ~4.8).
+    #[arg(long)]
+    decode_step_ms: Option<f64>,
+    /// Time before a prefill computes anything, in ms (default 5).
+    #[arg(long)]
+    first_token_ms: Option<f64>,
     /// `all`, or a comma-separated list of policy names.
     #[arg(long, default_value = "all")]
     policies: String,
@@ -65,6 +79,10 @@ pub(crate) struct Options {
     /// (the default for traces without sessions, as Mooncake's).
     #[arg(long)]
     open_loop: bool,
+    /// Root sessions start at their recorded times, as `replay` sends them
+    /// (the seed then sets only the policies' randomness).
+    #[arg(long)]
+    no_jitter: bool,
     /// Write the results as JSON here (and a plot beside it, as .svg).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -77,6 +95,19 @@ pub(crate) struct Fleet {
     pub(crate) capacity_tokens: u64,
     /// Each worker's host tier, in engine blocks (0: none).
     pub(crate) host_tier_blocks: u64,
+    /// The engines' KV block, in tokens.
+    pub(crate) block_tokens: u64,
+}
+
+impl Fleet {
+    /// Each worker's engine.
+    fn engine(&self) -> kvmesh_sim::engine::EngineConfig {
+        kvmesh_sim::engine::EngineConfig {
+            capacity_tokens: self.capacity_tokens,
+            block_tokens: self.block_tokens,
+            host_capacity_blocks: self.host_tier_blocks,
+        }
+    }
 }
 
 /// A finished request to feed back to its policy, ordered by end time.
@@ -144,7 +175,7 @@ impl SimFleet<'_> {
         let Some(r) = self.last_blocks.get(&block).and_then(|&i| self.prepared.get(i)) else {
             return false;
         };
-        let cached = self.world.view(self.now).true_cached_tokens(worker.0, &r.prompt);
+        let cached = self.world.view(self.now).true_cached_tokens(worker.0, &r.tokens);
         // Most of the prefix is still there.
         2 * cached >= r.prompt_tokens
     }
@@ -210,9 +241,9 @@ pub(crate) fn run_policy(
     ) else {
         bail!("unknown policy {name:?}; known: {}", policies::ALL.join(", "));
     };
-    let mut world = World::tiered(fleet.workers, fleet.capacity_tokens, fleet.host_tier_blocks, timing);
+    let mut world = World::with_engines(fleet.workers, fleet.engine(), timing);
     if fleet.host_tier_blocks > 0 {
-        policy.host_tier(fleet.host_tier_blocks.saturating_mul(16));
+        policy.host_tier(fleet.host_tier_blocks.saturating_mul(fleet.block_tokens));
     }
     let mut insights = Insights::new(InsightConfig::default());
     let mut last_blocks: HashMap<u64, usize> = HashMap::new();
@@ -222,29 +253,40 @@ pub(crate) fn run_policy(
     let mut sent: Vec<f64> = vec![f64::NAN; prepared.len()];
     let mut picked = 0usize;
     let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    // A prefill started: its fate is known, the calls that follow it are due
+    // A prefill started: its fate is known but for its end. A request
+    // finished: the policy hears of it, the calls that follow it are due
     // after its end.
-    let on_started = |started: Vec<world::Started>,
-                      calls: &mut Vec<Option<(f64, Served)>>,
-                      pending: &mut BinaryHeap<Completion>,
-                      releases: &mut BinaryHeap<Due>,
-                      sent: &[f64]| {
-        for world::Started { index, served } in started {
-            pending.push(Completion {
-                end: served.end_ms,
-                index,
-                worker: served.worker,
-                cached: served.cached_tokens,
-                ttft: served.ttft_ms,
-            });
-            for &(next, gap_ms) in schedule.followers.get(&index).map_or(&[][..], Vec::as_slice) {
-                releases.push(Due {
-                    at: served.end_ms + gap_ms,
-                    index: next,
-                });
-            }
-            if let Some(slot) = calls.get_mut(index) {
-                *slot = Some((sent.get(index).copied().unwrap_or(f64::NAN), served));
+    let on_events = |events: Vec<world::Event>,
+                     calls: &mut Vec<Option<(f64, Served)>>,
+                     pending: &mut BinaryHeap<Completion>,
+                     releases: &mut BinaryHeap<Due>,
+                     sent: &[f64]| {
+        for event in events {
+            match event {
+                world::Event::Started(world::Started { index, served }) => {
+                    if let Some(slot) = calls.get_mut(index) {
+                        *slot = Some((sent.get(index).copied().unwrap_or(f64::NAN), served));
+                    }
+                }
+                world::Event::Finished { index, end_ms } => {
+                    let Some(Some((_, served))) = calls.get_mut(index) else {
+                        continue;
+                    };
+                    served.end_ms = end_ms;
+                    pending.push(Completion {
+                        end: end_ms,
+                        index,
+                        worker: served.worker,
+                        cached: served.cached_tokens,
+                        ttft: served.ttft_ms,
+                    });
+                    for &(next, gap_ms) in schedule.followers.get(&index).map_or(&[][..], Vec::as_slice) {
+                        releases.push(Due {
+                            at: end_ms + gap_ms,
+                            index: next,
+                        });
+                    }
+                }
             }
         }
     };
@@ -263,8 +305,8 @@ pub(crate) fn run_policy(
             continue;
         }
         if world_at <= release_at {
-            let started = world.advance(world_at);
-            on_started(started, &mut calls, &mut pending, &mut releases, &sent);
+            let events = world.advance(world_at);
+            on_events(events, &mut calls, &mut pending, &mut releases, &sent);
             continue;
         }
         let Some(Due { at: now, index }) = releases.pop() else {
@@ -300,11 +342,11 @@ pub(crate) fn run_policy(
             pick_id: r.index as u64,
             ranked: vec![WorkerId(w)],
             predicted_cached_blocks: u32::try_from(overlaps.get(w).copied().unwrap_or(0)).unwrap_or(u32::MAX),
-            predicted_cached_tokens: world.view(now).true_cached_tokens(w, &r.prompt),
+            predicted_cached_tokens: world.view(now).true_cached_tokens(w, &r.tokens),
             best_overlap: u32::try_from(overlaps.iter().copied().max().unwrap_or(0)).unwrap_or(u32::MAX),
             costs: vec![Some(Cost::default()); fleet.workers],
             overlaps,
-            bytes_per_token: BYTES_PER_TOKEN as f64,
+            bytes_per_token: r.prompt.len() as f64 / r.prompt_tokens.max(1) as f64,
             prefill_tokens_per_ms: timing.prefill_tokens_per_ms,
             ..Decision::default()
         };
@@ -315,8 +357,8 @@ pub(crate) fn run_policy(
         if let Some(slot) = sent.get_mut(index) {
             *slot = now;
         }
-        let started = world.admit(w, r, now);
-        on_started(started, &mut calls, &mut pending, &mut releases, &sent);
+        let events = world.admit(w, r, now);
+        on_events(events, &mut calls, &mut pending, &mut releases, &sent);
     }
     if progress {
         eprint!("\r{:<30}\r", "");
@@ -338,6 +380,13 @@ pub(crate) fn run_policy(
     let makespan_s = (end_ms - first_sent.min(end_ms)) / 1e3;
     let output: u64 = prepared.iter().map(|r| u64::from(r.output_tokens)).sum();
     let per_worker: Vec<f64> = world.workers.iter().map(|w| w.prefill_tokens as f64).collect();
+    let mut calls_per_worker = vec![0usize; world.workers.len()];
+    for s in &served {
+        if let Some(n) = calls_per_worker.get_mut(s.worker) {
+            *n += 1;
+        }
+    }
+    let preemptions: u64 = world.workers.iter().map(|w| w.preemptions).sum();
     let host_loaded: u64 = world.workers.iter().map(|w| w.host_loaded_tokens).sum();
     let mean = per_worker.iter().sum::<f64>() / per_worker.len().max(1) as f64;
     let imbalance = per_worker.iter().copied().fold(0.0, f64::max) / mean.max(1.0);
@@ -406,6 +455,10 @@ pub(crate) fn run_policy(
         "ttft_p99_ms": percentile(&ttft, 0.99),
         "throughput_tok_s": output as f64 / makespan_s.max(1e-9),
         "imbalance": imbalance,
+        // The first seed's split (the mean of a split means little).
+        "calls_per_worker": calls_per_worker.iter().map(usize::to_string).collect::<Vec<_>>().join("/"),
+        "prefill_tokens_per_worker": per_worker,
+        "preemptions": preemptions,
         "ttft_p99_continuing_ms": if continuing_ttft.is_empty() { serde_json::Value::Null } else { json!(percentile(&continuing_ttft, 0.99)) },
         "long_gap_calls": long_gap_calls,
         "long_gap_hit_rate": if long_gap_prompt == 0 { serde_json::Value::Null } else { json!(long_gap_cached as f64 / long_gap_prompt as f64) },
@@ -434,15 +487,21 @@ fn load_workload(options: &Options, seed: u64) -> anyhow::Result<Workload> {
     }
     let (format, requests) = args.load()?;
     let config = FilterConfig::default();
+    let mut tokenizer = kvmesh_sim::tokenizer::Tokenizer::new()?;
     let prepared: Vec<Prepared> = requests
         .iter()
         .enumerate()
-        .map(|(i, r)| world::prepare(i, r, &config))
+        .map(|(i, r)| world::prepare(i, r, &config, &mut tokenizer))
         .collect::<anyhow::Result<_>>()?;
     // Every worker's GPU and host tier, pooled.
-    let per_worker_blocks = options.capacity_tokens / BLOCK_TOKENS + options.host_tier_blocks;
+    let block_tokens = options.engine_block_tokens;
+    let per_worker_blocks = options.capacity_tokens / block_tokens.max(1) + options.host_tier_blocks;
     let pooled_blocks = per_worker_blocks.saturating_mul(options.workers as u64);
-    let bounds = bound::bounds(prepared.iter().map(|r| r.prompt.as_slice()), pooled_blocks);
+    let bounds = bound::bounds(
+        prepared.iter().map(|r| r.tokens.as_slice()),
+        pooled_blocks,
+        block_tokens,
+    );
     let has_sessions = requests.iter().any(|r| !r.session.is_empty());
     let closed_loop = if options.open_loop {
         false
@@ -452,7 +511,7 @@ fn load_workload(options: &Options, seed: u64) -> anyhow::Result<Workload> {
     Ok(Workload {
         format,
         prepared,
-        schedule: Schedule::new(&requests, closed_loop, seed),
+        schedule: Schedule::new(&requests, closed_loop, (!options.no_jitter).then_some(seed)),
         bounds,
     })
 }
@@ -471,10 +530,14 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     } else {
         options.policies.split(',').map(|s| s.trim().to_owned()).collect()
     };
+    if options.engine_block_tokens == 0 || !options.engine_block_tokens.is_multiple_of(world::BLOCK_END_TOKENS) {
+        bail!("--engine-block-tokens must be a positive multiple of 16");
+    }
     let fleet = Fleet {
         workers: options.workers,
         capacity_tokens: options.capacity_tokens,
         host_tier_blocks: options.host_tier_blocks,
+        block_tokens: options.engine_block_tokens,
     };
     let mut timing = TimingModel::default();
     if let Some(rate) = options.host_load_tokens_per_ms {
@@ -482,6 +545,24 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
             bail!("--host-load-tokens-per-ms must be a positive number");
         }
         timing.host_load_tokens_per_ms = rate;
+    }
+    for (name, value) in [
+        ("--prefill-tokens-per-ms", options.prefill_tokens_per_ms),
+        ("--decode-step-ms", options.decode_step_ms),
+        ("--first-token-ms", options.first_token_ms),
+    ] {
+        if value.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
+            bail!("{name} must be a number, 0 or more");
+        }
+    }
+    if let Some(rate) = options.prefill_tokens_per_ms {
+        timing.prefill_tokens_per_ms = rate.max(1e-6);
+    }
+    if let Some(step) = options.decode_step_ms {
+        timing.weight_bytes = step * timing.memory_bytes_per_ms;
+    }
+    if let Some(overhead) = options.first_token_ms {
+        timing.first_token_overhead_ms = overhead;
     }
     // Per policy, each seed's figures; all seeds' TTFTs for the plot.
     let mut per_seed: HashMap<&str, Vec<serde_json::Value>> = HashMap::new();
@@ -568,14 +649,14 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     }
     // Retention: how continuing calls and returns from long waits fared.
     println!(
-        "\n| policy | prefill tokens | TTFT p99 of continuing calls | calls after a gap ≥ 30 s | their hit rate |"
+        "\n| policy | prefill tokens | TTFT p99 of continuing calls | calls after a gap ≥ 30 s | their hit rate | preemptions | calls per worker |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for name in &names {
         let Some(r) = results.get(name) else { continue };
         let fig = |key: &str, digits: usize, unit: &str| summary::cell(r, key, digits, unit, several);
         println!(
-            "| {name} | {} | {} | {} | {} |",
+            "| {name} | {} | {} | {} | {} | {} | {} |",
             fig("prefill_tokens", 0, ""),
             if r["ttft_p99_continuing_ms"].is_null() {
                 "-".to_owned()
@@ -588,6 +669,8 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
             } else {
                 fig("long_gap_hit_rate", 3, "")
             },
+            fig("preemptions", 0, ""),
+            r["calls_per_worker"].as_str().unwrap_or("-"),
         );
     }
     // The same figures the sidecar's report gives a live deployment.
@@ -701,18 +784,20 @@ mod tests {
             workers: 2,
             capacity_tokens: 200_000,
             host_tier_blocks: 0,
+            block_tokens: 16,
         };
         play_on(requests, closed_loop, policy, fleet)
     }
 
     fn play_on(requests: &[Request], closed_loop: bool, policy: &str, fleet: Fleet) -> (Schedule, Run) {
         let config = FilterConfig::default();
+        let mut tokenizer = kvmesh_sim::tokenizer::Tokenizer::new().unwrap();
         let prepared: Vec<Prepared> = requests
             .iter()
             .enumerate()
-            .map(|(i, r)| world::prepare(i, r, &config).unwrap())
+            .map(|(i, r)| world::prepare(i, r, &config, &mut tokenizer).unwrap())
             .collect();
-        let schedule = Schedule::new(requests, closed_loop, 1);
+        let schedule = Schedule::new(requests, closed_loop, Some(1));
         let run = run_policy(policy, &prepared, &schedule, fleet, 1, TimingModel::default()).unwrap();
         (schedule, run)
     }
@@ -729,6 +814,7 @@ mod tests {
                 workers: 2,
                 capacity_tokens: 12_000,
                 host_tier_blocks,
+                block_tokens: 16,
             };
             let (_, plain) = play_on(&requests, true, policy, fleet(0));
             let (_, tiered) = play_on(&requests, true, policy, fleet(2_000));
@@ -767,13 +853,15 @@ mod tests {
                 workers: 2,
                 capacity_tokens,
                 host_tier_blocks: 0,
+                block_tokens: 16,
             };
-            let prompts: Vec<Vec<u8>> = requests
+            let mut tokenizer = kvmesh_sim::tokenizer::Tokenizer::new().unwrap();
+            let prompts: Vec<Vec<u32>> = requests
                 .iter()
                 .enumerate()
-                .map(|(i, r)| world::prepare(i, r, &config).unwrap().prompt)
+                .map(|(i, r)| world::prepare(i, r, &config, &mut tokenizer).unwrap().tokens)
                 .collect();
-            let b = bound::bounds(prompts.iter().map(Vec::as_slice), 2 * capacity_tokens / BLOCK_TOKENS);
+            let b = bound::bounds(prompts.iter().map(Vec::as_slice), 2 * capacity_tokens / 16, 16);
             assert!(b.pooled_belady < b.infinite_cache, "{name}: {b:?}");
             for policy in policies::ALL {
                 for closed_loop in [false, true] {

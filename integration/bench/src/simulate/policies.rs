@@ -31,11 +31,12 @@ pub(crate) trait Policy {
     fn host_tier(&mut self, _tokens: u64) {}
 }
 
-pub(crate) const ALL: [&str; 12] = [
+pub(crate) const ALL: [&str; 13] = [
     "kvmesh",
     "kvmesh_pick_time_cache",
     "kvmesh_no_retention",
     "dynamo",
+    "dynamo_sticky",
     "dynamo_agents",
     "llm_d_precise",
     "gie_approx_prefix",
@@ -85,25 +86,23 @@ pub(crate) fn make(
         "llm_d_precise" => Box::new(LlmDPrecise::new(workers, seed)),
         // `dynamo_precise` is the old name, kept for one release.
         "dynamo" | "dynamo_precise" => Box::new(Dynamo::new(workers, seed)),
+        "dynamo_sticky" => Box::new(Dynamo::sticky(workers, seed)),
         "dynamo_agents" => Box::new(Dynamo::agents(workers, 1.0, seed)),
         _ => return None,
     })
 }
 
-/// The simulated engine's KV block: vLLM's default 16 tokens, at the
-/// engine model's 4 bytes of prompt per token. The peers that see the
-/// engine's cache (KV events, `num_gpu_blocks`) count in these.
-const ENGINE_BLOCK_TOKENS: u64 = 16;
-const ENGINE_BLOCK_BYTES: usize = 64;
-
-/// The engine's chained hashes of each full block of `prompt`, as its KV
-/// events name them (a partial last block is never cached, so never named).
-fn engine_blocks(prompt: &[u8]) -> Vec<u64> {
+/// The engine's chained hashes of each full block of its tokens, as its KV
+/// events name them (a partial last block is never cached, so never named):
+/// the peers that see the engine's cache (KV events, `num_gpu_blocks`)
+/// count in these, of `View::block_tokens` each.
+fn engine_blocks(tokens: &[u32], block_tokens: u64) -> Vec<u64> {
     let mut prev = 0u64;
-    prompt
-        .chunks_exact(ENGINE_BLOCK_BYTES)
+    tokens
+        .chunks_exact(usize::try_from(block_tokens.max(1)).unwrap_or(usize::MAX))
         .map(|block| {
-            prev = mix(prev, bytes_hash(block));
+            let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+            prev = mix(prev, bytes_hash(&bytes));
             prev
         })
         .collect()
@@ -217,10 +216,10 @@ impl Policy for Kvmesh {
 
     fn host_tier(&mut self, tokens: u64) {
         // The index counts in kvmesh blocks: the filter's block of the
-        // canonical stream (256 bytes) at the engine model's 4 bytes per
-        // token, 64 tokens.
-        let block_bytes = kvmesh_request::FilterConfig::default().block_bytes.max(1) as u64;
-        let blocks = tokens.saturating_mul(kvmesh_sim::engine::BYTES_PER_TOKEN) / block_bytes;
+        // canonical stream (256 bytes) at kvmesh's own estimate of bytes per
+        // token (an operator sizes the tier in tokens, kvmesh converts).
+        let block_bytes = kvmesh_request::FilterConfig::default().block_bytes.max(1) as f64;
+        let blocks = (tokens as f64 * self.router.bytes_per_token("sim") / block_bytes) as u64;
         for w in 0..self.router.workers().len() {
             self.router
                 .set_host_capacity_blocks(kvmesh_core::WorkerId(w), usize::try_from(blocks).unwrap_or(usize::MAX));
@@ -358,7 +357,8 @@ mod tests {
             output_tokens,
             session_final: false,
         };
-        prepare(index, &r, &FilterConfig::default()).unwrap()
+        let mut tokenizer = kvmesh_sim::tokenizer::Tokenizer::new().unwrap();
+        prepare(index, &r, &FilterConfig::default(), &mut tokenizer).unwrap()
     }
 
     pub(super) fn text(seed: usize, kb: usize) -> String {
@@ -432,7 +432,7 @@ mod tests {
         ] {
             assert!(make(name, 4, 100_000, 1, 20.0).is_none(), "{name}");
         }
-        assert_eq!(ALL.iter().filter(|n| n.starts_with("dynamo")).count(), 2);
+        assert_eq!(ALL.iter().filter(|n| n.starts_with("dynamo")).count(), 3);
     }
 
     #[test]

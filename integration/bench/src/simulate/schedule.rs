@@ -77,7 +77,7 @@ fn unit(seed: u64, key: &str) -> f64 {
 impl Schedule {
     /// `requests` sorted by time (as `trace::load` returns them, already
     /// divided by the speed, so gaps and starts scale alike).
-    pub(crate) fn new(requests: &[Request], closed_loop: bool, seed: u64) -> Self {
+    pub(crate) fn new(requests: &[Request], closed_loop: bool, jitter_seed: Option<u64>) -> Self {
         let roots = roots(requests);
         // Each root's recorded start, and the mean gap between them.
         let mut starts: HashMap<&str, f64> = HashMap::new();
@@ -86,13 +86,13 @@ impl Schedule {
         }
         let mut first: Vec<f64> = starts.values().copied().collect();
         first.sort_by(f64::total_cmp);
-        let jitter_span_ms = match (first.first(), first.last()) {
-            (Some(a), Some(b)) if first.len() > 1 => (b - a) / (first.len() - 1) as f64,
+        let jitter_span_ms = match (first.first(), first.last(), jitter_seed) {
+            (Some(a), Some(b), Some(_)) if first.len() > 1 => (b - a) / (first.len() - 1) as f64,
             _ => 0.0,
         };
         let jitter: HashMap<&str, f64> = starts
             .keys()
-            .map(|root| (*root, unit(seed, root) * jitter_span_ms))
+            .map(|root| (*root, unit(jitter_seed.unwrap_or(0), root) * jitter_span_ms))
             .collect();
         let shifted = |i: usize| requests[i].at_ms + jitter.get(roots[i].as_str()).copied().unwrap_or(0.0);
         let mut releases: Vec<Release> = (0..requests.len()).map(|i| Release::At(shifted(i))).collect();
@@ -160,7 +160,7 @@ mod tests {
             call(1500.0, "a-sub", "a"),
             call(2000.0, "", ""),
         ];
-        let s = Schedule::new(&requests, true, 1);
+        let s = Schedule::new(&requests, true, Some(1));
         assert!(matches!(s.releases[0], Release::At(_)));
         assert!(matches!(s.releases[1], Release::At(_)));
         assert_eq!(
@@ -187,7 +187,7 @@ mod tests {
         assert!(matches!(s.releases[5], Release::At(_)));
         // Open loop: every call at its recorded time plus its root's jitter,
         // the subagent moving with its parent.
-        let open = Schedule::new(&requests, false, 1);
+        let open = Schedule::new(&requests, false, Some(1));
         let at = |i: usize| match open.releases[i] {
             Release::At(t) => t,
             Release::After { .. } => f64::NAN,
@@ -199,14 +199,18 @@ mod tests {
     #[test]
     fn seeds_jitter_root_starts_within_the_mean_root_gap() {
         let requests: Vec<Request> = (0..20).map(|k| call(k as f64 * 500.0, &format!("s{k}"), "")).collect();
-        let a = Schedule::new(&requests, true, 1);
-        let b = Schedule::new(&requests, true, 2);
+        let a = Schedule::new(&requests, true, Some(1));
+        let b = Schedule::new(&requests, true, Some(2));
         assert_eq!(a.jitter_span_ms, 500.0);
         assert_ne!(a.releases, b.releases);
-        assert_eq!(a.releases, Schedule::new(&requests, true, 1).releases);
+        assert_eq!(a.releases, Schedule::new(&requests, true, Some(1)).releases);
         for (i, t) in a.fixed() {
             let shift = t - requests[i].at_ms;
             assert!((0.0..500.0).contains(&shift), "{shift}");
         }
+        // Without a jitter seed, every call at its recorded time.
+        let recorded = Schedule::new(&requests, true, None);
+        assert_eq!(recorded.jitter_span_ms, 0.0);
+        assert!(recorded.fixed().all(|(i, t)| t == requests[i].at_ms));
     }
 }

@@ -1,8 +1,13 @@
 //! The simulated GPU cluster on a virtual clock: one engine model per
-//! worker (the `kvmesh-sim` engine: prefix cache, LRU, counters) with its
-//! timing model (a FIFO prefill queue whose prompts are looked up when
-//! their prefill starts and cached chunk by chunk as it computes them;
-//! decode steps that read the weights and the batch's KV). With a host
+//! worker (the `kvmesh-sim` engine: its own BPE tokenizer, KV blocks held
+//! by running requests, a prefix cache of the rest, counters) with its
+//! timing model (a FIFO prefill queue whose head is admitted when its
+//! blocks fit beside the running requests', looked up when its prefill
+//! starts and cached chunk by chunk as it computes; decode steps that read
+//! the weights and the batch's KV, each 16 output tokens taking a block; a
+//! decoding request that needs a block when none is free preempts the
+//! newest decoding request, which is queued again at the front and
+//! recomputed, as vLLM's recompute preemption does). With a host
 //! tier, a prompt's host hits are loaded back before its prefill computes:
 //! the load holds the prefill lane for `tokens / host_load_tokens_per_ms`
 //! (vLLM loads asynchronously and may schedule others meanwhile, so this
@@ -13,11 +18,16 @@ use std::collections::VecDeque;
 
 use kvmesh_request::{Api, FilterConfig, understand};
 use kvmesh_sim::api::{Api as SimApi, Call};
-use kvmesh_sim::engine::{BYTES_PER_TOKEN, Engine, EngineConfig, Prefill};
+use kvmesh_sim::engine::{Engine, EngineConfig, Running};
 use kvmesh_sim::timing::{PREFILL_CHUNK_TOKENS, TimingModel};
+use kvmesh_sim::tokenizer::Tokenizer;
 use serde_json::json;
 
 use super::trace::Request;
+
+/// `Prepared::block_ends`' step, in tokens: every engine block size the
+/// simulator takes is a multiple of it.
+pub(crate) const BLOCK_END_TOKENS: u64 = 16;
 
 /// A request as every policy sees it, prepared once.
 #[derive(Debug, Clone)]
@@ -35,8 +45,12 @@ pub(crate) struct Prepared {
     pub(crate) block_bytes: u32,
     /// The parts of the canonical stream, for the insight figures.
     pub(crate) sections: Vec<kvmesh_core::PromptSection>,
-    /// The engine's view: its templated prompt.
+    /// The engine's view: its templated prompt, and its tokens.
     pub(crate) prompt: Vec<u8>,
+    pub(crate) tokens: Vec<u32>,
+    /// Where each 16 tokens of `tokens` end in `prompt`, in bytes (engine
+    /// blocks are a multiple of 16 tokens).
+    pub(crate) block_ends: Vec<u64>,
     pub(crate) prompt_tokens: u64,
     pub(crate) output_tokens: u32,
 }
@@ -61,7 +75,12 @@ impl Prepared {
 
 /// Turns a trace request into what the filter and the engine see of it:
 /// an OpenAI chat call carrying the text, with the session in a header.
-pub(crate) fn prepare(index: usize, r: &Request, config: &FilterConfig) -> anyhow::Result<Prepared> {
+pub(crate) fn prepare(
+    index: usize,
+    r: &Request,
+    config: &FilterConfig,
+    tokenizer: &mut Tokenizer,
+) -> anyhow::Result<Prepared> {
     let body =
         json!({"model": "sim", "messages": [{"role": "user", "content": r.text}], "max_tokens": r.output_tokens});
     let bytes = serde_json::to_vec(&body)?;
@@ -77,6 +96,13 @@ pub(crate) fn prepare(index: usize, r: &Request, config: &FilterConfig) -> anyho
     }
     let understood = understand(Api::ChatCompletions, &headers, &bytes, false, config)?;
     let call = Call::parse(SimApi::Chat, &body, r.output_tokens).map_err(anyhow::Error::msg)?;
+    let tokens = tokenizer.encode(&call.prompt);
+    let block_ends = tokenizer
+        .byte_ends(&tokens)
+        .into_iter()
+        .skip(BLOCK_END_TOKENS as usize - 1)
+        .step_by(BLOCK_END_TOKENS as usize)
+        .collect();
     Ok(Prepared {
         index,
         session: understood.identity.session_id,
@@ -88,8 +114,10 @@ pub(crate) fn prepare(index: usize, r: &Request, config: &FilterConfig) -> anyho
         stream_bytes: understood.hashes.stream_bytes,
         block_bytes: u32::try_from(config.block_bytes).unwrap_or(u32::MAX),
         sections: understood.sections.iter().map(section).collect(),
-        prompt_tokens: (call.prompt.len() as u64).div_ceil(BYTES_PER_TOKEN),
+        prompt_tokens: tokens.len() as u64,
         prompt: call.prompt,
+        tokens,
+        block_ends,
         output_tokens: r.output_tokens,
     })
 }
@@ -108,19 +136,75 @@ fn section(s: &kvmesh_request::Section) -> kvmesh_core::PromptSection {
 struct Waiting {
     index: usize,
     arrival: f64,
-    prompt: Vec<u8>,
+    tokens: Vec<u32>,
     output_tokens: u32,
+    /// Output tokens generated before a preemption, recomputed with the
+    /// prompt (0: never preempted; its first token is still to come).
+    generated: u32,
 }
 
 /// The prefill running on a worker: its chunks are cached as they finish.
 #[derive(Debug)]
 struct Prefilling {
-    prefill: Prefill,
+    index: usize,
+    running: Running,
     /// When the lane took it, and how long loading its host hits took
     /// before it computed.
     start: f64,
     load_ms: f64,
     computed_tokens: u64,
+    /// Tokens the prefill computes: the uncached prompt, and the output a
+    /// preempted request had generated.
+    to_compute: u64,
+}
+
+/// A request decoding on a worker (its prefill may still be computing:
+/// the first token comes when it is done).
+#[derive(Debug)]
+struct Decoding {
+    index: usize,
+    /// Taken from the prefill when it is done.
+    running: Option<Running>,
+    first_token: f64,
+    end: f64,
+    step_ms: f64,
+    /// Output tokens before this run (a preempted request's), and in all.
+    generated_before: u32,
+    output_tokens: u32,
+    /// Its place in the order requests were scheduled: the newest is
+    /// preempted first.
+    scheduled: u64,
+    arrival: f64,
+    tokens: Vec<u32>,
+}
+
+impl Decoding {
+    /// Output tokens generated by `t`.
+    fn generated_at(&self, t: f64) -> u32 {
+        if t <= self.first_token {
+            return self.generated_before;
+        }
+        let steps = ((t - self.first_token) / self.step_ms.max(1e-9)).floor();
+        let more = u32::try_from(steps as u64).unwrap_or(u32::MAX);
+        (self.generated_before + 1 + more).min(self.output_tokens)
+    }
+
+    /// When its output next needs a block it does not hold: when the token
+    /// past its room is generated.
+    fn next_block_at(&self) -> f64 {
+        let Some(running) = &self.running else {
+            return f64::INFINITY;
+        };
+        let room = running.output_room();
+        if room >= u64::from(self.output_tokens) {
+            return f64::INFINITY;
+        }
+        let need = u32::try_from(room + 1).unwrap_or(u32::MAX);
+        // Token `need` (1-based) comes `need - before - 1` steps after the
+        // first one of this run.
+        let steps = f64::from(need.saturating_sub(self.generated_before + 1));
+        self.first_token + steps * self.step_ms
+    }
 }
 
 /// A request on a worker, from its arrival to its last token. Times not yet
@@ -146,6 +230,12 @@ pub(crate) struct WorkerSim {
     prefilling: Option<Prefilling>,
     /// When the prefill lane frees up.
     prefill_free_at: f64,
+    /// Requests past admission, not finished.
+    decoding: Vec<Decoding>,
+    /// Requests scheduled so far (orders `Decoding::scheduled`).
+    scheduled: u64,
+    /// Requests preempted to free blocks.
+    pub(crate) preemptions: u64,
     /// Requests admitted and not finished (some may have finished by the
     /// time a view looks: views filter by their time).
     admitted: Vec<Admitted>,
@@ -189,8 +279,8 @@ impl View<'_> {
             .sum()
     }
 
-    /// Blocks cached over capacity, evictable ones included (not vLLM's
-    /// `kv_cache_usage_perc`, which counts those as free).
+    /// Blocks cached or held over capacity, evictable ones included (not
+    /// vLLM's `kv_cache_usage_perc`, which counts those as free).
     #[cfg(test)]
     pub(crate) fn kv_usage(&self, w: usize) -> f64 {
         let (used, capacity) = self.workers[w].engine.cache_blocks();
@@ -200,21 +290,21 @@ impl View<'_> {
     /// The engine's true cache (only the peers fed its KV events may look,
     /// `dynamo*` and `llm_d_precise`, and `kvmesh_pick_time_cache`, which stands for
     /// kvmesh with exact knowledge of each engine's cache).
-    pub(crate) fn true_cached_tokens(&self, w: usize, prompt: &[u8]) -> u64 {
-        self.workers[w].engine.peek_cached_tokens(prompt)
+    pub(crate) fn true_cached_tokens(&self, w: usize, tokens: &[u32]) -> u64 {
+        self.workers[w].engine.peek_cached_tokens(tokens)
     }
 
     /// The engine's true cache on its GPU alone: what the peers fed KV
     /// events (`dynamo*`, `llm_d_precise`) see, their ports having no host
     /// tier (Dynamo's own router weighs host blocks at 0.75; its port does
     /// not yet), so a host tier leaves their view as it was without one.
-    pub(crate) fn true_gpu_cached_tokens(&self, w: usize, prompt: &[u8]) -> u64 {
-        self.workers[w].engine.peek_gpu_cached_tokens(prompt)
+    pub(crate) fn true_gpu_cached_tokens(&self, w: usize, tokens: &[u32]) -> u64 {
+        self.workers[w].engine.peek_gpu_cached_tokens(tokens)
     }
 
     /// The engine's true cache for `r`, in kvmesh's blocks of `r`'s stream
-    /// (the engine counts `BYTES_PER_TOKEN` bytes per token): the overlap
-    /// kvmesh's index estimates, as the engine knows it.
+    /// (the bytes of the prompt its cached tokens span, in kvmesh's block
+    /// size): the overlap kvmesh's index estimates, as the engine knows it.
     pub(crate) fn true_cached_blocks(&self, w: usize, r: &Prepared) -> usize {
         self.true_cached_tier_blocks(w, r).0
     }
@@ -222,9 +312,16 @@ impl View<'_> {
     /// `true_cached_blocks`, and how many of them the engine holds in its
     /// host tier only (`kvmesh_pick_time_cache`'s view of the tiers).
     pub(crate) fn true_cached_tier_blocks(&self, w: usize, r: &Prepared) -> (usize, usize) {
-        let (tokens, host) = self.workers[w].engine.peek_cached_tiers(&r.prompt);
-        let blocks =
-            |t: u64| usize::try_from(t * BYTES_PER_TOKEN / u64::from(r.block_bytes.max(1))).unwrap_or(usize::MAX);
+        let (tokens, host) = self.workers[w].engine.peek_cached_tiers(&r.tokens);
+        let blocks = |t: u64| {
+            let steps = usize::try_from(t / BLOCK_END_TOKENS).unwrap_or(usize::MAX);
+            let bytes = steps
+                .checked_sub(1)
+                .and_then(|last| r.block_ends.get(last))
+                .copied()
+                .unwrap_or(0);
+            usize::try_from(bytes / u64::from(r.block_bytes.max(1))).unwrap_or(usize::MAX)
+        };
         let (all, gpu) = (blocks(tokens), blocks(tokens - host));
         (all, all - gpu.min(all))
     }
@@ -240,6 +337,12 @@ impl View<'_> {
     pub(crate) fn num_gpu_blocks(&self, w: usize) -> u64 {
         self.workers[w].engine.cache_blocks().1
     }
+
+    /// The engines' block size in tokens (`vllm:cache_config_info`'s
+    /// `block_size`; a router's `--block-size` is set to match it).
+    pub(crate) fn block_tokens(&self) -> u64 {
+        self.workers.first().map_or(16, |w| w.engine.block_tokens())
+    }
 }
 
 /// One request's fate.
@@ -249,19 +352,32 @@ pub(crate) struct Served {
     pub(crate) prompt_tokens: u64,
     pub(crate) cached_tokens: u64,
     pub(crate) ttft_ms: f64,
+    /// When it ended: its expected end while it runs, final once it has
+    /// `Finished` (a preemption moves it later).
     pub(crate) end_ms: f64,
 }
 
-/// A request whose prefill has started: its fate is known from here.
+/// A request whose prefill has started: its first token's time is known.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Started {
     pub(crate) index: usize,
     pub(crate) served: Served,
 }
 
+/// What happened on a worker.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Event {
+    /// A request's first prefill started (a preempted one's rerun is not
+    /// reported again).
+    Started(Started),
+    /// A request generated its last token and released its blocks.
+    Finished { index: usize, end_ms: f64 },
+}
+
 /// The cluster of simulated workers on a virtual clock, driven in time
 /// order: `admit` a request at its arrival, `advance` to the next event
-/// (`next_event_ms`: a prefill starting or a prefill chunk done).
+/// (`next_event_ms`: a prefill starting or a chunk done, a request
+/// finishing or needing a block for its output).
 #[derive(Debug)]
 pub(crate) struct World {
     pub(crate) workers: Vec<WorkerSim>,
@@ -272,25 +388,35 @@ fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// Slack for the float arithmetic of decode steps: a token due at `t` is
+/// counted at `t`.
+const STEP_EPSILON: f64 = 1e-6;
+
 impl World {
     #[cfg(test)]
     pub(crate) fn new(workers: usize, capacity_tokens: u64, timing: TimingModel) -> Self {
-        Self::tiered(workers, capacity_tokens, 0, timing)
+        Self::with_engines(
+            workers,
+            EngineConfig {
+                capacity_tokens,
+                ..EngineConfig::default()
+            },
+            timing,
+        )
     }
 
-    /// `new`, each engine with a host tier of `host_capacity_blocks` blocks
-    /// of 16 tokens (0: none).
-    pub(crate) fn tiered(workers: usize, capacity_tokens: u64, host_capacity_blocks: u64, timing: TimingModel) -> Self {
+    /// `workers` engines of `engine`'s shape.
+    pub(crate) fn with_engines(workers: usize, engine: EngineConfig, timing: TimingModel) -> Self {
         Self {
             workers: (0..workers)
                 .map(|_| WorkerSim {
-                    engine: Engine::new(EngineConfig {
-                        capacity_tokens,
-                        host_capacity_blocks,
-                    }),
+                    engine: Engine::new(engine),
                     queue: VecDeque::new(),
                     prefilling: None,
                     prefill_free_at: 0.0,
+                    decoding: Vec::new(),
+                    scheduled: 0,
+                    preemptions: 0,
                     admitted: Vec::new(),
                     prefill_tokens: 0,
                     host_loaded_tokens: 0,
@@ -308,11 +434,12 @@ impl World {
     }
 
     /// `r` arrives on worker `w` at `now` (the world advanced to `now`): it
-    /// joins the prefill queue, and starts at once if the lane is free.
-    pub(crate) fn admit(&mut self, w: usize, r: &Prepared, now: f64) -> Vec<Started> {
+    /// joins the prefill queue, and starts at once if the lane is free and
+    /// its blocks fit.
+    pub(crate) fn admit(&mut self, w: usize, r: &Prepared, now: f64) -> Vec<Event> {
         let worker = &mut self.workers[w];
         worker.admitted.retain(|a| a.end > now);
-        let cached = worker.engine.peek_cached_tokens(&r.prompt).min(r.prompt_tokens);
+        let cached = worker.engine.peek_cached_tokens(&r.tokens).min(r.prompt_tokens);
         worker.admitted.push(Admitted {
             index: r.index,
             first_token: f64::INFINITY,
@@ -323,12 +450,13 @@ impl World {
         worker.queue.push_back(Waiting {
             index: r.index,
             arrival: now,
-            prompt: r.prompt.clone(),
+            tokens: r.tokens.clone(),
             output_tokens: r.output_tokens,
+            generated: 0,
         });
-        let mut started = Vec::new();
-        self.advance_worker(w, now, &mut started);
-        started
+        let mut events = Vec::new();
+        self.advance_worker(w, now, &mut events);
+        events
     }
 
     /// The earliest time something happens on some worker.
@@ -340,72 +468,184 @@ impl World {
     }
 
     fn next_event_of(&self, w: &WorkerSim) -> Option<f64> {
+        let mut next = f64::INFINITY;
         if let Some(p) = &w.prefilling {
-            return Some(self.chunk_done_at(p));
+            next = next.min(self.chunk_done_at(p));
+        } else if let Some(q) = w.queue.front()
+            && w.engine.admits(&q.tokens)
+        {
+            next = next.min(q.arrival.max(w.prefill_free_at));
         }
-        w.queue.front().map(|q| q.arrival.max(w.prefill_free_at))
+        for d in &w.decoding {
+            if d.running.is_some() {
+                next = next.min(d.end).min(d.next_block_at());
+            }
+        }
+        next.is_finite().then_some(next)
     }
 
     /// When the running prefill's next chunk is computed.
     fn chunk_done_at(&self, p: &Prefilling) -> f64 {
-        let uncached = p.prefill.served.uncached_tokens();
-        let next = (p.computed_tokens + PREFILL_CHUNK_TOKENS).min(uncached);
+        let next = (p.computed_tokens + PREFILL_CHUNK_TOKENS).min(p.to_compute);
         p.start + p.load_ms + ms(self.timing.prefill(next))
     }
 
-    /// Everything due by `t` happens, on every worker: the prefills that
-    /// start (returned, with their fate) and the chunks that are cached.
-    pub(crate) fn advance(&mut self, t: f64) -> Vec<Started> {
-        let mut started = Vec::new();
+    /// Everything due by `t` happens, on every worker.
+    pub(crate) fn advance(&mut self, t: f64) -> Vec<Event> {
+        let mut events = Vec::new();
         for w in 0..self.workers.len() {
-            self.advance_worker(w, t, &mut started);
+            self.advance_worker(w, t, &mut events);
         }
-        started
+        events
     }
 
-    fn advance_worker(&mut self, w: usize, t: f64, started: &mut Vec<Started>) {
-        let timing = self.timing;
+    fn advance_worker(&mut self, w: usize, t: f64, events: &mut Vec<Event>) {
         loop {
-            let Some(next) = self.next_event_of(&self.workers[w]) else {
+            let Some(now) = self.next_event_of(&self.workers[w]) else {
                 return;
             };
-            if next > t {
+            if now > t {
                 return;
             }
+            let chunk_due = self.workers[w]
+                .prefilling
+                .as_ref()
+                .is_some_and(|p| self.chunk_done_at(p) <= now);
             let worker = &mut self.workers[w];
-            if let Some(p) = worker.prefilling.as_mut() {
-                let uncached = p.prefill.served.uncached_tokens();
-                p.computed_tokens = (p.computed_tokens + PREFILL_CHUNK_TOKENS).min(uncached);
-                let computed = if p.computed_tokens >= uncached {
-                    u64::MAX
-                } else {
-                    p.computed_tokens
-                };
-                worker.engine.cache_computed(&mut p.prefill, computed);
-                if p.prefill.done() || computed == u64::MAX {
-                    worker.prefilling = None;
-                }
+            Self::grow_outputs(worker, now);
+            Self::finish_due(worker, now, events);
+            if chunk_due {
+                Self::compute_chunk(worker);
                 continue;
             }
-            let Some(waiting) = worker.queue.pop_front() else {
-                return;
-            };
-            started.push(Self::start_prefill(&timing, w, worker, waiting, next));
+            if worker.prefilling.is_none()
+                && worker.prefill_free_at <= now
+                && worker.queue.front().is_some_and(|q| q.arrival <= now)
+                && let Some(event) = Self::start_prefill(&self.timing, w, worker, now)
+            {
+                events.push(event);
+            }
         }
     }
 
-    /// The lane takes `waiting` at `start`: the cache is looked up now, the
-    /// first token comes after the uncached tokens are computed, and each
-    /// decode step reads the weights and the KV of the batch decoding then.
-    fn start_prefill(timing: &TimingModel, w: usize, worker: &mut WorkerSim, waiting: Waiting, start: f64) -> Started {
-        let prefill = worker.engine.begin_prefill(&waiting.prompt);
-        // The world keeps its own account of running requests (`admitted`);
-        // the engine's counter is for the server's metrics.
-        worker.engine.finish(0);
-        let served = prefill.served;
+    /// Every decoding request takes the blocks its output has filled by
+    /// `now`, oldest first; one that finds none free preempts the newest
+    /// decoding request (itself, if it is the newest).
+    fn grow_outputs(worker: &mut WorkerSim, now: f64) {
+        let mut order: Vec<(u64, usize)> = worker
+            .decoding
+            .iter()
+            .filter(|d| d.running.is_some())
+            .map(|d| (d.scheduled, d.index))
+            .collect();
+        order.sort_unstable();
+        for (_, index) in order {
+            while let Some(d) = worker.decoding.iter_mut().find(|d| d.index == index) {
+                let generated = u64::from(d.generated_at(now + STEP_EPSILON));
+                let Some(running) = d.running.as_mut() else {
+                    break;
+                };
+                if worker.engine.grow(running, generated) {
+                    break;
+                }
+                let Some(victim) = worker
+                    .decoding
+                    .iter()
+                    .filter(|d| d.running.is_some())
+                    .max_by_key(|d| d.scheduled)
+                    .map(|d| d.index)
+                else {
+                    break;
+                };
+                Self::preempt(worker, victim, now);
+                if victim == index {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Recompute preemption: the request lets its blocks go and waits at
+    /// the head of the queue, with the output it has generated so far.
+    fn preempt(worker: &mut WorkerSim, index: usize, now: f64) {
+        let Some(at) = worker.decoding.iter().position(|d| d.index == index) else {
+            return;
+        };
+        let d = worker.decoding.swap_remove(at);
+        let generated = d.generated_at(now + STEP_EPSILON);
+        if let Some(running) = d.running {
+            worker.engine.preempt(running, 0);
+        }
+        worker.preemptions += 1;
+        if let Some(a) = worker.admitted.iter_mut().rev().find(|a| a.index == index) {
+            a.end = f64::INFINITY;
+        }
+        worker.queue.push_front(Waiting {
+            index,
+            arrival: d.arrival,
+            tokens: d.tokens,
+            output_tokens: d.output_tokens,
+            generated,
+        });
+    }
+
+    /// The requests whose last token is due by `now` finish.
+    fn finish_due(worker: &mut WorkerSim, now: f64, events: &mut Vec<Event>) {
+        let mut i = 0;
+        while i < worker.decoding.len() {
+            let d = &worker.decoding[i];
+            if d.running.is_none() || d.end > now {
+                i += 1;
+                continue;
+            }
+            let d = worker.decoding.swap_remove(i);
+            if let Some(running) = d.running {
+                worker.engine.finish(running, 0);
+            }
+            events.push(Event::Finished {
+                index: d.index,
+                end_ms: d.end,
+            });
+        }
+    }
+
+    /// The running prefill's next chunk is computed: its full blocks are
+    /// cached; the last one hands the request to decode.
+    fn compute_chunk(worker: &mut WorkerSim) {
+        let Some(p) = worker.prefilling.as_mut() else {
+            return;
+        };
+        p.computed_tokens = (p.computed_tokens + PREFILL_CHUNK_TOKENS).min(p.to_compute);
+        let finished = p.computed_tokens >= p.to_compute;
+        let computed = if finished { u64::MAX } else { p.computed_tokens };
+        worker.engine.cache_computed(&mut p.running, computed);
+        if finished && let Some(p) = worker.prefilling.take() {
+            if let Some(d) = worker.decoding.iter_mut().find(|d| d.index == p.index) {
+                d.running = Some(p.running);
+            } else {
+                worker.engine.finish(p.running, 0);
+            }
+        }
+    }
+
+    /// The lane takes the queue's head at `start` if its blocks fit: the
+    /// cache is looked up now, the first token comes after the uncached
+    /// tokens are computed, and each decode step reads the weights and the
+    /// KV of the batch decoding then.
+    fn start_prefill(timing: &TimingModel, w: usize, worker: &mut WorkerSim, start: f64) -> Option<Event> {
+        let waiting = worker.queue.front()?;
+        let mut running = worker.engine.try_begin_prefill(&waiting.tokens)?;
+        let waiting = worker.queue.pop_front()?;
+        let generated = u64::from(waiting.generated);
+        if generated > 0 {
+            // Room for the output it had generated (overcommitted if none).
+            let _ = worker.engine.grow(&mut running, generated);
+        }
+        let served = running.served;
         let uncached = served.uncached_tokens();
+        let to_compute = uncached + generated;
         let load_ms = ms(timing.host_load(served.host_loaded_tokens));
-        let first_token = start + load_ms + ms(timing.prefill(uncached));
+        let first_token = start + load_ms + ms(timing.prefill(to_compute));
         worker.prefill_free_at = first_token;
         let batch: f64 = worker
             .admitted
@@ -414,24 +654,45 @@ impl World {
             .map(|a| a.mean_attended_tokens)
             .sum();
         let own = served.prompt_tokens as f64 + f64::from(waiting.output_tokens) / 2.0;
-        let step = ms(timing.decode_step((batch + own).round() as u64));
-        let end = first_token + f64::from(waiting.output_tokens) * step;
+        let step_ms = ms(timing.decode_step((batch + own).round() as u64));
+        let left = waiting.output_tokens.saturating_sub(waiting.generated);
+        let end = first_token + f64::from(left) * step_ms;
         if let Some(a) = worker.admitted.iter_mut().rev().find(|a| a.index == waiting.index) {
-            a.first_token = first_token;
+            if waiting.generated == 0 {
+                a.first_token = first_token;
+                a.uncached = uncached as f64;
+            }
             a.end = end;
-            a.uncached = uncached as f64;
         }
-        worker.prefill_tokens += uncached;
+        worker.prefill_tokens += to_compute;
         worker.host_loaded_tokens += served.host_loaded_tokens;
-        if uncached > 0 {
+        worker.scheduled += 1;
+        let mut decoding = Decoding {
+            index: waiting.index,
+            running: None,
+            first_token,
+            end,
+            step_ms,
+            generated_before: waiting.generated,
+            output_tokens: waiting.output_tokens,
+            scheduled: worker.scheduled,
+            arrival: waiting.arrival,
+            tokens: waiting.tokens,
+        };
+        if to_compute > 0 {
             worker.prefilling = Some(Prefilling {
-                prefill,
+                index: waiting.index,
+                running,
                 start,
                 load_ms,
                 computed_tokens: 0,
+                to_compute,
             });
+        } else {
+            decoding.running = Some(running);
         }
-        Started {
+        worker.decoding.push(decoding);
+        (waiting.generated == 0).then_some(Event::Started(Started {
             index: waiting.index,
             served: Served {
                 worker: w,
@@ -440,7 +701,7 @@ impl World {
                 ttft_ms: first_token - waiting.arrival,
                 end_ms: end,
             },
-        }
+        }))
     }
 
     /// Runs `r` on worker `w` arriving at `now`, and the worker on until
@@ -448,10 +709,13 @@ impl World {
     /// one call, for tests that set a scene.
     #[cfg(test)]
     pub(crate) fn serve(&mut self, w: usize, r: &Prepared, now: f64) -> Served {
-        let mut started = self.admit(w, r, now);
+        let mut events = self.admit(w, r, now);
         loop {
-            if let Some(s) = started.iter().find(|s| s.index == r.index) {
-                let served = s.served;
+            let started = events.iter().find_map(|e| match e {
+                Event::Started(s) if s.index == r.index => Some(s.served),
+                _ => None,
+            });
+            if let Some(served) = started {
                 let first_token = now + served.ttft_ms;
                 let mut rest = Vec::new();
                 self.advance_worker(w, first_token, &mut rest);
@@ -460,7 +724,7 @@ impl World {
             let Some(next) = self.next_event_of(&self.workers[w]) else {
                 unreachable!("request {} was admitted and never started", r.index);
             };
-            self.advance_worker(w, next, &mut started);
+            self.advance_worker(w, next, &mut events);
         }
     }
 }

@@ -1,7 +1,10 @@
-//! Dynamo's KV router (ai-dynamo/dynamo), as two configurations: `dynamo`,
-//! its defaults with KV events, and `dynamo_agents`, what its agentic guide
-//! has users turn on (session affinity, parent-seeded placement,
-//! predict-on-route), with `prefill_load_scale` swept as `dynamo_agents@S`.
+//! Dynamo's KV router (ai-dynamo/dynamo), as three configurations:
+//! `dynamo`, its defaults with KV events; `dynamo_sticky`, the same with
+//! session affinity alone (`--router-session-affinity-ttl-secs 600`, hard
+//! mode: the real Dynamo arm of `kvmesh-bench compare`); and
+//! `dynamo_agents`, what its agentic guide has users turn on (session
+//! affinity, parent-seeded placement, predict-on-route), with
+//! `prefill_load_scale` swept as `dynamo_agents@S`.
 //!
 //! Read at these commits of ai-dynamo/dynamo:
 //! - cost: `lib/kv-router/src/scheduling/selector.rs` (01690d42)
@@ -23,7 +26,7 @@
 use std::collections::HashMap;
 
 use super::running::RunningBlocks;
-use super::{ENGINE_BLOCK_TOKENS, Policy, Rng, argmin_random_ties, engine_blocks};
+use super::{Policy, Rng, argmin_random_ties, engine_blocks};
 use crate::simulate::world::{Prepared, View};
 
 /// `--router-session-affinity-ttl-secs 600`, the agentic guide's value.
@@ -50,8 +53,15 @@ struct Load {
 /// no active-request weight): the prefill side is the worker's prompt
 /// backlog plus this request, less its device overlap, scaled; the decode
 /// side is the blocks the worker would hold with this request admitted.
-fn worker_logit(prefill_load_scale: f64, isl_tokens: u64, overlap_blocks: u64, cached_tokens: u64, load: &Load) -> f64 {
-    let block = ENGINE_BLOCK_TOKENS as f64;
+fn worker_logit(
+    prefill_load_scale: f64,
+    block_tokens: u64,
+    isl_tokens: u64,
+    overlap_blocks: u64,
+    cached_tokens: u64,
+    load: &Load,
+) -> f64 {
+    let block = block_tokens as f64;
     // Upstream's operation order: backlog + uncached + cached, so an
     // overlap past the prompt (a stale prediction) is not double counted.
     let raw_prefill_tokens =
@@ -87,8 +97,11 @@ struct Agents {
     /// reports completions just before the next arrival, so the idle timer
     /// starts then (at most one inter-arrival gap late, against 600 s).
     idle: Vec<String>,
-    /// The predict-on-route side index, per worker: block → expiry.
+    /// The predict-on-route side index, per worker: block → expiry (none:
+    /// not predicting).
     predicted: Vec<HashMap<u64, f64>>,
+    /// A session's first call goes to its parent's bound worker.
+    parent_seeding: bool,
     picks: usize,
 }
 
@@ -117,7 +130,13 @@ impl Agents {
         if r.session.is_empty() {
             return None;
         }
-        live(&r.session).or_else(|| if r.parent.is_empty() { None } else { live(&r.parent) })
+        live(&r.session).or_else(|| {
+            if r.parent.is_empty() || !self.parent_seeding {
+                None
+            } else {
+                live(&r.parent)
+            }
+        })
     }
 
     /// Blocks of `blocks`, from the first, predicted cached on `worker`.
@@ -198,8 +217,19 @@ impl Dynamo {
             prefill_load_scale,
             agents: Some(Agents {
                 predicted: vec![HashMap::new(); workers],
+                parent_seeding: true,
                 ..Agents::default()
             }),
+            ..Self::new(workers, seed)
+        }
+    }
+
+    /// `--router-mode kv --router-session-affinity-ttl-secs 600`: a session
+    /// is bound where its first call went, its parent plays no part, no
+    /// prediction.
+    pub(crate) fn sticky(workers: usize, seed: u64) -> Self {
+        Self {
+            agents: Some(Agents::default()),
             ..Self::new(workers, seed)
         }
     }
@@ -208,6 +238,7 @@ impl Dynamo {
     /// `blocks`, given each worker's overlap (blocks) and prompt backlog.
     fn costs(
         &self,
+        block_tokens: u64,
         isl_tokens: u64,
         blocks: &[u64],
         overlap_blocks: &[u64],
@@ -225,9 +256,10 @@ impl Dynamo {
                 };
                 worker_logit(
                     self.prefill_load_scale,
+                    block_tokens,
                     isl_tokens,
                     overlap,
-                    overlap * ENGINE_BLOCK_TOKENS,
+                    overlap * block_tokens,
                     &load,
                 )
             })
@@ -238,7 +270,8 @@ impl Dynamo {
 impl Policy for Dynamo {
     fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
         let now = view.now;
-        let blocks = engine_blocks(&r.prompt);
+        let block_tokens = view.block_tokens();
+        let blocks = engine_blocks(&r.tokens, block_tokens);
         if let Some(agents) = &mut self.agents {
             agents.observe(now);
         }
@@ -246,14 +279,14 @@ impl Policy for Dynamo {
         let chosen = bound.unwrap_or_else(|| {
             let overlap: Vec<u64> = (0..view.workers())
                 .map(|w| {
-                    let events = view.true_gpu_cached_tokens(w, &r.prompt) / ENGINE_BLOCK_TOKENS;
+                    let events = view.true_gpu_cached_tokens(w, &r.tokens) / block_tokens;
                     // The side index and the events' index: the per-worker maximum.
                     let predicted = self.agents.as_ref().map_or(0, |a| a.predicted_overlap(w, &blocks, now));
                     events.max(predicted as u64)
                 })
                 .collect();
             let backlog: Vec<f64> = (0..view.workers()).map(|w| view.queued_prefill_tokens(w)).collect();
-            let costs = self.costs(r.prompt_tokens, &blocks, &overlap, &backlog);
+            let costs = self.costs(block_tokens, r.prompt_tokens, &blocks, &overlap, &backlog);
             argmin_random_ties(&costs, &mut self.rng)
         });
         if let Some(agents) = &mut self.agents {
@@ -289,9 +322,9 @@ mod tests {
             active_decode_blocks: 2,
             additional_active_blocks: 3,
         };
-        assert_eq!(worker_logit(2.0, 64, 6, 96, &load), 7.0);
+        assert_eq!(worker_logit(2.0, 16, 64, 6, 96, &load), 7.0);
         // At the default scale 1 with nothing cached: 64/16 + 16/16 = 5, + 5.
-        assert_eq!(worker_logit(1.0, 64, 0, 0, &load), 10.0);
+        assert_eq!(worker_logit(1.0, 16, 64, 0, 0, &load), 10.0);
     }
 
     #[test]
@@ -306,7 +339,7 @@ mod tests {
         // A third of the same prefix, 101 blocks (1,616 tokens), cached
         // nowhere, no backlog: prefill 101 blocks on either worker.
         let blocks = [prefix, vec![1003]].concat();
-        let costs = dynamo.costs(1616, &blocks, &[0, 0], &[0.0, 0.0]);
+        let costs = dynamo.costs(16, 1616, &blocks, &[0, 0], &[0.0, 0.0]);
         // Worker 0: 101 + (102 unique + 1 new); worker 1: 101 + (150 + 101).
         assert_eq!(costs, vec![204.0, 352.0]);
         // Summing every prompt in full, and leaving this request out, would
@@ -362,10 +395,28 @@ mod tests {
     }
 
     #[test]
+    fn dynamo_sticky_binds_a_session_but_places_a_child_by_cost_and_predicts_nothing() {
+        let world = World::new(2, 1_000_000, TimingModel::default());
+        let mut sticky = Dynamo::sticky(2, 1);
+        let first = request(0, "s1", &text(1, 4), 1);
+        let w = sticky.pick(&first, &world.view(0.0));
+        // `w` made the expensive worker, as above.
+        sticky.running.add(99, w, (10_000..15_000).collect());
+        // The session stays bound whatever the cost...
+        let again = request(1, "s1", &text(1, 4), 1);
+        assert_eq!(sticky.pick(&again, &world.view(1_000.0)), w);
+        // ...but its child's first call is placed by cost, not by its parent.
+        let sub = child(2, "s1-sub", "s1", &text(2, 4), 1);
+        assert_ne!(sticky.pick(&sub, &world.view(1_001.0)), w);
+        let side = sticky.agents.as_ref().unwrap();
+        assert_eq!(side.predicted_overlap(w, &engine_blocks(&first.tokens, 16), 1_002.0), 0);
+    }
+
+    #[test]
     fn dynamo_agents_predicts_a_routed_prefix_for_five_seconds() {
         let world = World::new(2, 1_000_000, TimingModel::default());
         let doc = request(0, "", &text(8, 8), 1);
-        let blocks = engine_blocks(&doc.prompt);
+        let blocks = engine_blocks(&doc.tokens, 16);
         for seed in 0..8 {
             let mut agents = Dynamo::agents(2, 1.0, seed);
             let w = agents.pick(&doc, &world.view(0.0));

@@ -22,11 +22,9 @@
 use kvmesh_core::Lru;
 
 use super::running::{RunningBlocks, vllm_kv_cache_usage};
-use super::{ENGINE_BLOCK_TOKENS, Policy, Rng, argmax_random_ties, bytes_hash, engine_blocks, mix};
+use super::{Policy, Rng, argmax_random_ties, bytes_hash, engine_blocks, mix};
 use crate::simulate::world::{Prepared, View};
 
-/// vLLM's block size as AutoTune reads it from `vllm:cache_config_info`.
-const BLOCK_SIZE_TOKENS: usize = ENGINE_BLOCK_TOKENS as usize;
 /// `averageCharactersPerToken`: the block in bytes of the request body.
 const CHARACTERS_PER_TOKEN: usize = 4;
 /// `defaultMaxPrefixBlocks`.
@@ -39,9 +37,11 @@ fn user_input(r: &Prepared) -> Vec<u8> {
 }
 
 /// `hashPrompt`: the input cut at 256 blocks, chained hashes of its full
-/// blocks seeded by the model, then of a partial last block if any.
-fn prompt_hashes(input: &[u8]) -> Vec<u64> {
-    let block = BLOCK_SIZE_TOKENS * CHARACTERS_PER_TOKEN;
+/// blocks seeded by the model, then of a partial last block if any. The
+/// block is vLLM's block size as AutoTune reads it from
+/// `vllm:cache_config_info`, in characters.
+fn prompt_hashes(input: &[u8], block_size_tokens: u64) -> Vec<u64> {
+    let block = usize::try_from(block_size_tokens).unwrap_or(usize::MAX) * CHARACTERS_PER_TOKEN;
     if input.len() < block {
         return Vec::new();
     }
@@ -124,7 +124,7 @@ pub(super) fn queue_scores(waiting: &[usize]) -> Vec<f64> {
 
 impl Policy for GieApproxPrefix {
     fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let hashes = prompt_hashes(&user_input(r));
+        let hashes = prompt_hashes(&user_input(r), view.block_tokens());
         let matched = self.match_longest_prefix(&hashes);
         let prefix: Vec<f64> = matched
             .iter()
@@ -151,7 +151,8 @@ impl Policy for GieApproxPrefix {
                 lru.touch(h);
             }
         }
-        self.running.add(r.index, chosen, engine_blocks(&r.prompt));
+        self.running
+            .add(r.index, chosen, engine_blocks(&r.tokens, view.block_tokens()));
         chosen
     }
 
@@ -185,7 +186,7 @@ mod tests {
         let r = request(0, "", &text(2, 2), 1);
         let w = gie.pick(&r, &world.view(0.0));
         let served = world.serve(w, &r, 0.0);
-        let blocks = engine_blocks(&r.prompt).len();
+        let blocks = engine_blocks(&r.tokens, 16).len();
         assert!(blocks > 16, "{blocks}");
         // Running: its blocks are in use.
         let running = vllm_kv_cache_usage(&gie.running, w, &world.view(0.0));

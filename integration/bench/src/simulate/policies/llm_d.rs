@@ -12,7 +12,7 @@
 
 use super::gie::queue_scores;
 use super::running::{RunningBlocks, vllm_kv_cache_usage};
-use super::{ENGINE_BLOCK_TOKENS, Policy, Rng, argmax_random_ties, engine_blocks};
+use super::{Policy, Rng, argmax_random_ties, engine_blocks};
 use crate::simulate::world::{Prepared, View};
 
 pub(crate) struct LlmDPrecise {
@@ -39,16 +39,17 @@ impl LlmDPrecise {
 
 impl Policy for LlmDPrecise {
     fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let blocks = engine_blocks(&r.prompt);
+        let block_tokens = view.block_tokens();
+        let blocks = engine_blocks(&r.tokens, block_tokens);
         // The index's blocks are the engine's (the sample config's
         // `blockSize` must equal the engine's for the hashes to match; the
-        // simulated engine's is vLLM's default 16).
+        // simulated engine's is vLLM's default 16 unless set).
         let prefix: Vec<f64> = (0..view.workers())
             .map(|w| {
                 if blocks.is_empty() {
                     return 0.0;
                 }
-                let matched = view.true_gpu_cached_tokens(w, &r.prompt) / ENGINE_BLOCK_TOKENS;
+                let matched = view.true_gpu_cached_tokens(w, &r.tokens) / block_tokens;
                 (matched as f64 / blocks.len() as f64).min(1.0)
             })
             .collect();

@@ -105,7 +105,7 @@ impl Running {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Engine {
     /// Cached blocks no request holds, oldest first: vLLM's free queue of
     /// blocks that keep their hash until reused.
@@ -283,6 +283,11 @@ impl Engine {
             .take_while(|b| self.on_gpu(b))
             .count() as u64
             * self.block_tokens
+    }
+
+    /// Every block the GPU holds, cached or held by a running request.
+    pub fn gpu_blocks(&self) -> impl Iterator<Item = &[u8; 32]> {
+        self.held.keys().chain(self.cache.iter())
     }
 
     /// Tokens per block.

@@ -447,6 +447,11 @@ impl<K: Hash + Eq + Clone> Lru<K> {
     pub fn clear(&mut self) {
         self.map.clear();
     }
+
+    /// Every key, in no promised order.
+    pub fn iter(&self) -> impl Iterator<Item = &K> {
+        self.map.iter().map(|(k, ())| k)
+    }
 }
 
 #[cfg(test)]

@@ -241,6 +241,7 @@ pub(crate) fn run_policy(
     ) else {
         bail!("unknown policy {name:?}; known: {}", policies::ALL.join(", "));
     };
+    policy.workload(prepared, fleet.block_tokens);
     let mut world = World::with_engines(fleet.workers, fleet.engine(), timing);
     if fleet.host_tier_blocks > 0 {
         policy.host_tier(fleet.host_tier_blocks.saturating_mul(fleet.block_tokens));
@@ -497,11 +498,7 @@ fn load_workload(options: &Options, seed: u64) -> anyhow::Result<Workload> {
     let block_tokens = options.engine_block_tokens;
     let per_worker_blocks = options.capacity_tokens / block_tokens.max(1) + options.host_tier_blocks;
     let pooled_blocks = per_worker_blocks.saturating_mul(options.workers as u64);
-    let bounds = bound::bounds(
-        prepared.iter().map(|r| r.tokens.as_slice()),
-        pooled_blocks,
-        block_tokens,
-    );
+    let bounds = bound::bounds(prepared.iter().map(|r| &r.tokens[..]), pooled_blocks, block_tokens);
     let has_sessions = requests.iter().any(|r| !r.session.is_empty());
     let closed_loop = if options.open_loop {
         false
@@ -859,7 +856,7 @@ mod tests {
             let prompts: Vec<Vec<u32>> = requests
                 .iter()
                 .enumerate()
-                .map(|(i, r)| world::prepare(i, r, &config, &mut tokenizer).unwrap().tokens)
+                .map(|(i, r)| world::prepare(i, r, &config, &mut tokenizer).unwrap().tokens.to_vec())
                 .collect();
             let b = bound::bounds(prompts.iter().map(Vec::as_slice), 2 * capacity_tokens / 16, 16);
             assert!(b.pooled_belady < b.infinite_cache, "{name}: {b:?}");

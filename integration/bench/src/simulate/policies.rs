@@ -29,10 +29,14 @@ pub(crate) trait Policy {
     /// as KV events with medium CPU would tell kvmesh's sidecar that a tier
     /// exists). Only kvmesh's index listens; the peers' ports have no tier.
     fn host_tier(&mut self, _tokens: u64) {}
+    /// The whole workload, before the first pick: only `kvmesh_oracle`,
+    /// which knows the future, reads it.
+    fn workload(&mut self, _requests: &[Prepared], _block_tokens: u64) {}
 }
 
-pub(crate) const ALL: [&str; 13] = [
+pub(crate) const ALL: [&str; 14] = [
     "kvmesh",
+    "kvmesh_oracle",
     "kvmesh_pick_time_cache",
     "kvmesh_no_retention",
     "dynamo",
@@ -77,6 +81,7 @@ pub(crate) fn make(
         }
     }
     Some(match name {
+        "kvmesh_oracle" => Box::new(Oracle::default()),
         "round_robin" => Box::new(RoundRobin(0)),
         "random" => Box::new(Random(seed | 1)),
         "least_loaded" => Box::new(LeastLoaded),
@@ -321,6 +326,62 @@ fn bytes_hash(bytes: &[u8]) -> u64 {
 
 /// Rendezvous (highest random weight) hashing of the session id; requests
 /// without a session go round robin.
+/// kvmesh's objective, with every term from the world instead of an
+/// estimate: a request's time to its first token plus the recomputation
+/// it causes others. For each worker, the worker is replayed forward from
+/// now with the request added (its queue, admission when the blocks fit,
+/// the engine's real evictions while it waits, the true uncached tokens at
+/// its prefill's start) until its first token, and without it to the same
+/// time: the blocks it evicted that a later call of the workload uses are
+/// each priced at one block's compute time. The least cost wins; then the
+/// most cached tokens; then the lowest index. It knows the present exactly
+/// and the future's block uses, not the future's arrival times or where
+/// later calls will go, so it is a far better informed kvmesh, not a bound
+/// on a whole run.
+#[derive(Default)]
+struct Oracle {
+    /// Per engine block, the calls not yet picked that use it.
+    remaining_uses: HashMap<[u8; 32], u32>,
+    block_tokens: u64,
+}
+
+impl Policy for Oracle {
+    fn workload(&mut self, requests: &[Prepared], block_tokens: u64) {
+        self.block_tokens = block_tokens;
+        for r in requests {
+            for b in kvmesh_sim::engine::block_chain(&r.tokens, block_tokens) {
+                *self.remaining_uses.entry(b).or_insert(0) += 1;
+            }
+        }
+    }
+
+    fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
+        for b in kvmesh_sim::engine::block_chain(&r.tokens, self.block_tokens) {
+            if let Some(n) = self.remaining_uses.get_mut(&b) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        let block_ms = view.block_compute_ms();
+        let mut best: Option<(usize, f64, u64)> = None;
+        for w in 0..view.workers() {
+            let Some((s, evicted)) = view.replay_forward(w, r) else {
+                continue;
+            };
+            let needed = evicted
+                .iter()
+                .filter(|b| self.remaining_uses.get(*b).is_some_and(|&n| n > 0))
+                .count();
+            let cost = s.ttft_ms + needed as f64 * block_ms;
+            let better =
+                best.is_none_or(|(_, least, cached)| cost < least || (cost == least && s.cached_tokens > cached));
+            if better {
+                best = Some((w, cost, s.cached_tokens));
+            }
+        }
+        best.map_or(0, |(w, _, _)| w)
+    }
+}
+
 struct SessionSticky(usize);
 
 impl Policy for SessionSticky {
@@ -482,6 +543,50 @@ mod tests {
         precise.completed(elsewhere, &first, served.cached_tokens, served.ttft_ms, 0.0);
         let next = request(1, "b", &(doc + " and one more turn"), 1);
         assert_eq!(precise.pick(&next, &world.view(60_000.0)), elsewhere);
+    }
+
+    #[test]
+    fn the_oracle_weighs_a_workers_queue_and_the_blocks_a_pick_would_evict() {
+        // Worker 0 holds a session's prefix; its next call goes there...
+        let mut world = World::new(2, 1_000_000, TimingModel::default());
+        let doc = text(1, 32);
+        let first = request(0, "a", &doc, 1);
+        world.serve(0, &first, 0.0);
+        let next = request(1, "a", &(doc.clone() + " one more turn"), 1);
+        let oracle = || {
+            let mut o = Oracle::default();
+            o.workload(&[first.clone(), next.clone()], 16);
+            o
+        };
+        assert_eq!(oracle().pick(&next, &world.view(10_000.0)), 0);
+        // ...unless worker 0's queue holds new prompts whose prefills take
+        // longer than recomputing the prefix on worker 1.
+        for i in 0..3 {
+            world.admit(0, &request(10 + i, "", &text(100 + i, 64), 1), 10_000.0);
+        }
+        assert_eq!(oracle().pick(&next, &world.view(10_000.0)), 1);
+
+        // Two full workers, each holding one session's prefix: a new
+        // session evicts the one no later call needs (worker 1's, though
+        // the index order would pick worker 0 on a tie).
+        let mut world = World::new(2, 4_000, TimingModel::default());
+        let (b, c) = (request(0, "b", &text(2, 8), 1), request(1, "c", &text(3, 8), 1));
+        world.serve(0, &b, 0.0);
+        world.serve(1, &c, 0.0);
+        let x = request(2, "x", &text(4, 8), 1);
+        let b_again = request(3, "b", &(text(2, 8) + " next"), 1);
+        assert!(world.view(10_000.0).true_cached_tokens(0, &b.tokens) > 2_000);
+        let mut o = Oracle::default();
+        o.workload(&[b.clone(), c.clone(), x.clone(), b_again], 16);
+        // b and c were picked before x.
+        for r in [&b, &c] {
+            for blk in kvmesh_sim::engine::block_chain(&r.tokens, 16) {
+                if let Some(n) = o.remaining_uses.get_mut(&blk) {
+                    *n -= 1;
+                }
+            }
+        }
+        assert_eq!(o.pick(&x, &world.view(10_000.0)), 1);
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //! asynchronous in vLLM and SGLang, and off the request's path).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use kvmesh_request::{Api, FilterConfig, understand};
 use kvmesh_sim::api::{Api as SimApi, Call};
@@ -47,7 +48,7 @@ pub(crate) struct Prepared {
     pub(crate) sections: Vec<kvmesh_core::PromptSection>,
     /// The engine's view: its templated prompt, and its tokens.
     pub(crate) prompt: Vec<u8>,
-    pub(crate) tokens: Vec<u32>,
+    pub(crate) tokens: Arc<[u32]>,
     /// Where each 16 tokens of `tokens` end in `prompt`, in bytes (engine
     /// blocks are a multiple of 16 tokens).
     pub(crate) block_ends: Vec<u64>,
@@ -116,7 +117,7 @@ pub(crate) fn prepare(
         sections: understood.sections.iter().map(section).collect(),
         prompt_tokens: tokens.len() as u64,
         prompt: call.prompt,
-        tokens,
+        tokens: tokens.into(),
         block_ends,
         output_tokens: r.output_tokens,
     })
@@ -132,11 +133,11 @@ fn section(s: &kvmesh_request::Section) -> kvmesh_core::PromptSection {
 }
 
 /// A request waiting for its worker's prefill lane.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Waiting {
     index: usize,
     arrival: f64,
-    tokens: Vec<u32>,
+    tokens: Arc<[u32]>,
     output_tokens: u32,
     /// Output tokens generated before a preemption, recomputed with the
     /// prompt (0: never preempted; its first token is still to come).
@@ -144,7 +145,7 @@ struct Waiting {
 }
 
 /// The prefill running on a worker: its chunks are cached as they finish.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Prefilling {
     index: usize,
     running: Running,
@@ -160,7 +161,7 @@ struct Prefilling {
 
 /// A request decoding on a worker (its prefill may still be computing:
 /// the first token comes when it is done).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Decoding {
     index: usize,
     /// Taken from the prefill when it is done.
@@ -175,7 +176,7 @@ struct Decoding {
     /// preempted first.
     scheduled: u64,
     arrival: f64,
-    tokens: Vec<u32>,
+    tokens: Arc<[u32]>,
 }
 
 impl Decoding {
@@ -222,7 +223,7 @@ struct Admitted {
     mean_attended_tokens: f64,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct WorkerSim {
     pub(crate) engine: Engine,
     /// Arrived requests waiting for the prefill lane, in arrival order.
@@ -249,11 +250,23 @@ pub(crate) struct WorkerSim {
 pub(crate) struct View<'a> {
     pub(crate) now: f64,
     workers: &'a [WorkerSim],
+    timing: TimingModel,
 }
 
 impl View<'_> {
     pub(crate) fn workers(&self) -> usize {
         self.workers.len()
+    }
+
+    /// `r`'s fate on worker `w` if it arrived there now, as far as it is
+    /// known now (`WorkerSim::replay_forward`): `kvmesh_oracle`'s view.
+    pub(crate) fn replay_forward(&self, w: usize, r: &Prepared) -> Option<(Served, Vec<[u8; 32]>)> {
+        self.workers[w].replay_forward(&self.timing, r, self.now)
+    }
+
+    /// Time to compute one engine block, in ms.
+    pub(crate) fn block_compute_ms(&self) -> f64 {
+        self.timing.compute_ms(self.block_tokens())
     }
 
     /// Requests admitted and not finished.
@@ -430,6 +443,7 @@ impl World {
         View {
             now,
             workers: &self.workers,
+            timing: self.timing,
         }
     }
 
@@ -438,24 +452,9 @@ impl World {
     /// its blocks fit.
     pub(crate) fn admit(&mut self, w: usize, r: &Prepared, now: f64) -> Vec<Event> {
         let worker = &mut self.workers[w];
-        worker.admitted.retain(|a| a.end > now);
-        let cached = worker.engine.peek_cached_tokens(&r.tokens).min(r.prompt_tokens);
-        worker.admitted.push(Admitted {
-            index: r.index,
-            first_token: f64::INFINITY,
-            end: f64::INFINITY,
-            uncached: (r.prompt_tokens - cached) as f64,
-            mean_attended_tokens: r.prompt_tokens as f64 + f64::from(r.output_tokens) / 2.0,
-        });
-        worker.queue.push_back(Waiting {
-            index: r.index,
-            arrival: now,
-            tokens: r.tokens.clone(),
-            output_tokens: r.output_tokens,
-            generated: 0,
-        });
+        worker.arrive(r, now);
         let mut events = Vec::new();
-        self.advance_worker(w, now, &mut events);
+        worker.advance(&self.timing, w, now, &mut events);
         events
     }
 
@@ -463,20 +462,60 @@ impl World {
     pub(crate) fn next_event_ms(&self) -> Option<f64> {
         self.workers
             .iter()
-            .filter_map(|w| self.next_event_of(w))
+            .filter_map(|w| w.next_event(&self.timing))
             .min_by(f64::total_cmp)
     }
 
-    fn next_event_of(&self, w: &WorkerSim) -> Option<f64> {
-        let mut next = f64::INFINITY;
-        if let Some(p) = &w.prefilling {
-            next = next.min(self.chunk_done_at(p));
-        } else if let Some(q) = w.queue.front()
-            && w.engine.admits(&q.tokens)
-        {
-            next = next.min(q.arrival.max(w.prefill_free_at));
+    /// Everything due by `t` happens, on every worker.
+    pub(crate) fn advance(&mut self, t: f64) -> Vec<Event> {
+        let mut events = Vec::new();
+        for (w, worker) in self.workers.iter_mut().enumerate() {
+            worker.advance(&self.timing, w, t, &mut events);
         }
-        for d in &w.decoding {
+        events
+    }
+}
+
+/// When the running prefill's next chunk is computed.
+fn chunk_done_at(timing: &TimingModel, p: &Prefilling) -> f64 {
+    let next = (p.computed_tokens + PREFILL_CHUNK_TOKENS).min(p.to_compute);
+    p.start + p.load_ms + ms(timing.prefill(next))
+}
+
+/// One worker's machinery: what `World` runs on each, and what a forward
+/// replay runs on a copy of one.
+impl WorkerSim {
+    /// `r` joins the prefill queue at `now`.
+    fn arrive(&mut self, r: &Prepared, now: f64) {
+        self.admitted.retain(|a| a.end > now);
+        let cached = self.engine.peek_cached_tokens(&r.tokens).min(r.prompt_tokens);
+        self.admitted.push(Admitted {
+            index: r.index,
+            first_token: f64::INFINITY,
+            end: f64::INFINITY,
+            uncached: (r.prompt_tokens - cached) as f64,
+            mean_attended_tokens: r.prompt_tokens as f64 + f64::from(r.output_tokens) / 2.0,
+        });
+        self.queue.push_back(Waiting {
+            index: r.index,
+            arrival: now,
+            tokens: r.tokens.clone(),
+            output_tokens: r.output_tokens,
+            generated: 0,
+        });
+    }
+
+    /// When something next happens here.
+    fn next_event(&self, timing: &TimingModel) -> Option<f64> {
+        let mut next = f64::INFINITY;
+        if let Some(p) = &self.prefilling {
+            next = next.min(chunk_done_at(timing, p));
+        } else if let Some(q) = self.queue.front()
+            && self.engine.admits(&q.tokens)
+        {
+            next = next.min(q.arrival.max(self.prefill_free_at));
+        }
+        for d in &self.decoding {
             if d.running.is_some() {
                 next = next.min(d.end).min(d.next_block_at());
             }
@@ -484,54 +523,80 @@ impl World {
         next.is_finite().then_some(next)
     }
 
-    /// When the running prefill's next chunk is computed.
-    fn chunk_done_at(&self, p: &Prefilling) -> f64 {
-        let next = (p.computed_tokens + PREFILL_CHUNK_TOKENS).min(p.to_compute);
-        p.start + p.load_ms + ms(self.timing.prefill(next))
-    }
-
-    /// Everything due by `t` happens, on every worker.
-    pub(crate) fn advance(&mut self, t: f64) -> Vec<Event> {
-        let mut events = Vec::new();
-        for w in 0..self.workers.len() {
-            self.advance_worker(w, t, &mut events);
-        }
-        events
-    }
-
-    fn advance_worker(&mut self, w: usize, t: f64, events: &mut Vec<Event>) {
+    /// Everything due here by `t` happens (`w`: this worker's index, for
+    /// the events).
+    fn advance(&mut self, timing: &TimingModel, w: usize, t: f64, events: &mut Vec<Event>) {
         loop {
-            let Some(now) = self.next_event_of(&self.workers[w]) else {
+            let Some(now) = self.next_event(timing) else {
                 return;
             };
             if now > t {
                 return;
             }
-            let chunk_due = self.workers[w]
+            let chunk_due = self
                 .prefilling
                 .as_ref()
-                .is_some_and(|p| self.chunk_done_at(p) <= now);
-            let worker = &mut self.workers[w];
-            Self::grow_outputs(worker, now);
-            Self::finish_due(worker, now, events);
+                .is_some_and(|p| chunk_done_at(timing, p) <= now);
+            self.grow_outputs(now);
+            self.finish_due(now, events);
             if chunk_due {
-                Self::compute_chunk(worker);
+                self.compute_chunk();
                 continue;
             }
-            if worker.prefilling.is_none()
-                && worker.prefill_free_at <= now
-                && worker.queue.front().is_some_and(|q| q.arrival <= now)
-                && let Some(event) = Self::start_prefill(&self.timing, w, worker, now)
+            if self.prefilling.is_none()
+                && self.prefill_free_at <= now
+                && self.queue.front().is_some_and(|q| q.arrival <= now)
+                && let Some(event) = self.start_prefill(timing, w, now)
             {
                 events.push(event);
             }
         }
     }
 
+    /// What `r` would meet here arriving at `now`: this worker replayed
+    /// forward on a copy (its queue, its engine's real evictions, the
+    /// outputs growing) until `r`'s first token, beside the same worker
+    /// replayed to that time without `r`. Arrivals after `now` are not
+    /// known, so none is played. Returns `r`'s fate and the blocks the
+    /// worker holds then without `r` and lacks with it: those `r` evicted.
+    pub(crate) fn replay_forward(
+        &self,
+        timing: &TimingModel,
+        r: &Prepared,
+        now: f64,
+    ) -> Option<(Served, Vec<[u8; 32]>)> {
+        let mut with = self.clone();
+        with.arrive(r, now);
+        let mut events = Vec::new();
+        let served = loop {
+            if let Some(served) = events.iter().find_map(|e| match e {
+                Event::Started(s) if s.index == r.index => Some(s.served),
+                _ => None,
+            }) {
+                break served;
+            }
+            let next = with.next_event(timing)?;
+            with.advance(timing, 0, next, &mut events);
+        };
+        let first_token = now + served.ttft_ms;
+        with.advance(timing, 0, first_token, &mut events);
+        let mut without = self.clone();
+        without.advance(timing, 0, first_token, &mut events);
+        let kept: std::collections::HashSet<&[u8; 32]> = with.engine.gpu_blocks().collect();
+        let evicted = without
+            .engine
+            .gpu_blocks()
+            .filter(|b| !kept.contains(b))
+            .copied()
+            .collect();
+        Some((served, evicted))
+    }
+
     /// Every decoding request takes the blocks its output has filled by
     /// `now`, oldest first; one that finds none free preempts the newest
     /// decoding request (itself, if it is the newest).
-    fn grow_outputs(worker: &mut WorkerSim, now: f64) {
+    fn grow_outputs(&mut self, now: f64) {
+        let worker = self;
         let mut order: Vec<(u64, usize)> = worker
             .decoding
             .iter()
@@ -557,7 +622,7 @@ impl World {
                 else {
                     break;
                 };
-                Self::preempt(worker, victim, now);
+                worker.preempt(victim, now);
                 if victim == index {
                     break;
                 }
@@ -567,7 +632,8 @@ impl World {
 
     /// Recompute preemption: the request lets its blocks go and waits at
     /// the head of the queue, with the output it has generated so far.
-    fn preempt(worker: &mut WorkerSim, index: usize, now: f64) {
+    fn preempt(&mut self, index: usize, now: f64) {
+        let worker = self;
         let Some(at) = worker.decoding.iter().position(|d| d.index == index) else {
             return;
         };
@@ -590,7 +656,8 @@ impl World {
     }
 
     /// The requests whose last token is due by `now` finish.
-    fn finish_due(worker: &mut WorkerSim, now: f64, events: &mut Vec<Event>) {
+    fn finish_due(&mut self, now: f64, events: &mut Vec<Event>) {
+        let worker = self;
         let mut i = 0;
         while i < worker.decoding.len() {
             let d = &worker.decoding[i];
@@ -611,7 +678,8 @@ impl World {
 
     /// The running prefill's next chunk is computed: its full blocks are
     /// cached; the last one hands the request to decode.
-    fn compute_chunk(worker: &mut WorkerSim) {
+    fn compute_chunk(&mut self) {
+        let worker = self;
         let Some(p) = worker.prefilling.as_mut() else {
             return;
         };
@@ -632,7 +700,8 @@ impl World {
     /// cache is looked up now, the first token comes after the uncached
     /// tokens are computed, and each decode step reads the weights and the
     /// KV of the batch decoding then.
-    fn start_prefill(timing: &TimingModel, w: usize, worker: &mut WorkerSim, start: f64) -> Option<Event> {
+    fn start_prefill(&mut self, timing: &TimingModel, w: usize, start: f64) -> Option<Event> {
+        let worker = self;
         let waiting = worker.queue.front()?;
         let mut running = worker.engine.try_begin_prefill(&waiting.tokens)?;
         let waiting = worker.queue.pop_front()?;
@@ -703,7 +772,9 @@ impl World {
             },
         }))
     }
+}
 
+impl World {
     /// Runs `r` on worker `w` arriving at `now`, and the worker on until
     /// `r`'s first token (its blocks are then cached): a request's fate in
     /// one call, for tests that set a scene.
@@ -718,13 +789,13 @@ impl World {
             if let Some(served) = started {
                 let first_token = now + served.ttft_ms;
                 let mut rest = Vec::new();
-                self.advance_worker(w, first_token, &mut rest);
+                self.workers[w].advance(&self.timing, w, first_token, &mut rest);
                 return served;
             }
-            let Some(next) = self.next_event_of(&self.workers[w]) else {
+            let Some(next) = self.workers[w].next_event(&self.timing) else {
                 unreachable!("request {} was admitted and never started", r.index);
             };
-            self.advance_worker(w, next, &mut events);
+            self.workers[w].advance(&self.timing, w, next, &mut events);
         }
     }
 }

@@ -2,9 +2,15 @@
 //! `dynamo`, its defaults with KV events; `dynamo_sticky`, the same with
 //! session affinity alone (`--router-session-affinity-ttl-secs 600`, hard
 //! mode: the real Dynamo arm of `kvmesh-bench compare`); and
-//! `dynamo_agents`, what its agentic guide has users turn on (session
-//! affinity, parent-seeded placement, predict-on-route), with
-//! `prefill_load_scale` swept as `dynamo_agents@S`.
+//! `dynamo_agents`, that and the agent fan-out setting of its tuning guide
+//! (predict-on-route), with `prefill_load_scale` swept as
+//! `dynamo_agents@S`. Affinity binds a parent's children together (sibling
+//! grouping, `binding_id`); a child is not placed on its parent's worker
+//! (that was PR #12073, closed unmerged). Soft mode differs from hard only
+//! when a busy threshold marks the bound worker ineligible, and every busy
+//! threshold is off by default, so hard stands for both (1.6.1's
+//! `select_worker_for_request` in `lib/kv-router/src/scheduling/queue.rs`,
+//! `routing_host/kv.rs`).
 //!
 //! Read at these commits of ai-dynamo/dynamo:
 //! - cost: `lib/kv-router/src/scheduling/selector.rs` (01690d42)
@@ -21,7 +27,10 @@
 //!   `potential_blocks_use_prefix_membership_not_set_membership`;
 //! - sessions: `docs/components/router/router-configuration.md` (057096c3)
 //!   "Session Affinity", `docs/agents/session-ids.md` (1cd9f3c2), the
-//!   `router_predicted_ttl_secs` field of `config.rs` (0243c51b).
+//!   `router_predicted_ttl_secs` field of `config.rs` (0243c51b); the 1.6.1
+//!   release (0d9c24a8): `lib/kv-router/src/services/selection/affinity.rs`
+//!   (the lease and idle deadline), `lib/llm/src/session_affinity/mod.rs`
+//!   `subagent_group_affinity_id`.
 
 use std::collections::HashMap;
 
@@ -100,9 +109,24 @@ struct Agents {
     /// The predict-on-route side index, per worker: block → expiry (none:
     /// not predicting).
     predicted: Vec<HashMap<u64, f64>>,
-    /// A session's first call goes to its parent's bound worker.
-    parent_seeding: bool,
     picks: usize,
+}
+
+/// The id a request's binding is kept under (`RoutingHost::group_binding_id`
+/// in `lib/llm/src/kv_router/routing_host.rs`, 1.6.1 at 0d9c24a8, from PR
+/// #14521): its session's, or, for a request that names a parent, one key
+/// shared by every child of that parent (`subagent_group_affinity_id`, a
+/// hash of the parent id), so siblings go together and the first of them
+/// to dispatch sets the worker; the parent keeps its own binding. It is on
+/// whenever affinity is, with no flag.
+fn binding_id(r: &Prepared) -> Option<String> {
+    if r.session.is_empty() {
+        return None;
+    }
+    if !r.parent.is_empty() && r.parent != r.session {
+        return Some(format!("\u{1}sg:{}", r.parent));
+    }
+    Some(r.session.clone())
 }
 
 impl Agents {
@@ -123,20 +147,10 @@ impl Agents {
         }
     }
 
-    /// The worker a live binding sends `r` to: its own session's, else (its
-    /// first placement) its parent's.
+    /// The worker a live binding sends `r` to (hard mode: exactly there).
     fn bound(&self, r: &Prepared, now: f64) -> Option<usize> {
-        let live = |s: &str| self.bindings.get(s).filter(|b| b.live(now)).map(|b| b.worker);
-        if r.session.is_empty() {
-            return None;
-        }
-        live(&r.session).or_else(|| {
-            if r.parent.is_empty() || !self.parent_seeding {
-                None
-            } else {
-                live(&r.parent)
-            }
-        })
+        let id = binding_id(r)?;
+        self.bindings.get(&id).filter(|b| b.live(now)).map(|b| b.worker)
     }
 
     /// Blocks of `blocks`, from the first, predicted cached on `worker`.
@@ -155,10 +169,10 @@ impl Agents {
                 side.insert(b, now + PREDICTED_TTL_MS);
             }
         }
-        if r.session.is_empty() {
+        let Some(id) = binding_id(r) else {
             return;
-        }
-        let binding = self.bindings.entry(r.session.clone()).or_insert(Binding {
+        };
+        let binding = self.bindings.entry(id.clone()).or_insert(Binding {
             worker,
             active: 0,
             idle_deadline: f64::INFINITY,
@@ -173,7 +187,7 @@ impl Agents {
         }
         binding.active += 1;
         binding.idle_deadline = f64::INFINITY;
-        self.leases.insert(r.index, r.session.clone());
+        self.leases.insert(r.index, id);
     }
 
     fn lease_ended(&mut self, index: usize) {
@@ -217,7 +231,6 @@ impl Dynamo {
             prefill_load_scale,
             agents: Some(Agents {
                 predicted: vec![HashMap::new(); workers],
-                parent_seeding: true,
                 ..Agents::default()
             }),
             ..Self::new(workers, seed)
@@ -225,8 +238,8 @@ impl Dynamo {
     }
 
     /// `--router-mode kv --router-session-affinity-ttl-secs 600`: a session
-    /// is bound where its first call went, its parent plays no part, no
-    /// prediction.
+    /// (a parent's children together) is bound where its first call went;
+    /// no prediction.
     pub(crate) fn sticky(workers: usize, seed: u64) -> Self {
         Self {
             agents: Some(Agents::default()),
@@ -365,33 +378,38 @@ mod tests {
     }
 
     #[test]
-    fn dynamo_agents_keeps_a_session_on_its_worker_until_the_ttl_and_seeds_a_child_there() {
+    fn dynamo_agents_keeps_a_session_on_its_worker_until_the_ttl_and_groups_a_parents_children() {
         let world = World::new(2, 1_000_000, TimingModel::default());
         let mut agents = Dynamo::agents(2, 1.0, 1);
         let first = request(0, "s1", &text(1, 4), 1);
         let w = agents.pick(&first, &world.view(0.0));
+        let u = 1 - w;
         agents.completed(w, &first, 0, 0.0, 0.0);
         // Make `w` the expensive worker: 5,000 running blocks no one shares.
         agents.running.add(99, w, (10_000..15_000).collect());
         let idle = |index: usize| request(index, "", &text(index, 1), 1);
         // Another session's arrival at 1 s starts s1's idle timer (1 s + 600 s).
-        assert_ne!(agents.pick(&idle(1), &world.view(1_000.0)), w);
+        assert_eq!(agents.pick(&idle(1), &world.view(1_000.0)), u);
         // Within the TTL the session stays bound, whatever the cost.
         let again = request(2, "s1", &text(1, 4), 1);
         assert_eq!(agents.pick(&again, &world.view(500_000.0)), w);
-        // A child's first call goes where its parent is bound.
+        // A child's first call is placed by cost, not on its parent's worker...
         let sub = child(3, "s1-sub", "s1", &text(3, 4), 1);
-        assert_eq!(agents.pick(&sub, &world.view(500_001.0)), w);
-        agents.completed(w, &again, 0, 0.0, 0.0);
-        agents.completed(w, &sub, 0, 0.0, 0.0);
-        // Idle from 500.002 s: bound until 1,100.002 s (a child still seeded
-        // there at 1,100.001 s)...
-        assert_ne!(agents.pick(&idle(4), &world.view(500_002.0)), w);
-        let sub2 = child(5, "s1-sub2", "s1", &text(5, 4), 1);
-        assert_eq!(agents.pick(&sub2, &world.view(1_100_001.0)), w);
-        // ...and free after: back to the cost, which avoids the loaded worker.
+        assert_eq!(agents.pick(&sub, &world.view(500_001.0)), u);
+        // ...and its sibling follows it there, now the dearer worker.
+        agents.running.add(98, u, (20_000..30_000).collect());
+        let sub2 = child(4, "s1-sub2", "s1", &text(4, 4), 1);
+        assert_eq!(agents.pick(&sub2, &world.view(500_002.0)), u);
+        for r in [&again, &sub, &sub2] {
+            agents.completed(w, r, 0, 0.0, 0.0);
+        }
+        // Idle from the next pick, 500.003 s: bound until 1,100.003 s.
+        agents.pick(&idle(5), &world.view(500_003.0));
         let late = request(6, "s1", &text(1, 4), 1);
-        assert_ne!(agents.pick(&late, &world.view(1_100_003.0)), w);
+        let side = agents.agents.as_ref().unwrap();
+        assert_eq!(side.bound(&late, 1_100_002.0), Some(w));
+        assert_eq!(side.bound(&sub2, 1_100_002.0), Some(u));
+        assert_eq!(side.bound(&late, 1_100_004.0), None);
     }
 
     #[test]

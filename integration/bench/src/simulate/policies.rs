@@ -17,7 +17,7 @@ use kvmesh_core::{Outcome, Router, RouterConfig};
 use self::dynamo::Dynamo;
 use self::gie::GieApproxPrefix;
 use self::llm_d::LlmDPrecise;
-use self::sglang::SglangCacheAware;
+use self::sglang::{SglangCacheAware, SglangSticky};
 use super::world::{Prepared, View};
 
 /// A routing policy under simulation.
@@ -34,7 +34,7 @@ pub(crate) trait Policy {
     fn workload(&mut self, _requests: &[Prepared], _block_tokens: u64) {}
 }
 
-pub(crate) const ALL: [&str; 14] = [
+pub(crate) const ALL: [&str; 16] = [
     "kvmesh",
     "kvmesh_oracle",
     "kvmesh_pick_time_cache",
@@ -44,7 +44,9 @@ pub(crate) const ALL: [&str; 14] = [
     "dynamo_agents",
     "llm_d_precise",
     "gie_approx_prefix",
+    "gie_approx_prefix_6250",
     "sglang_cache_aware",
+    "sglang_sticky",
     "session_sticky",
     "least_loaded",
     "round_robin",
@@ -86,8 +88,10 @@ pub(crate) fn make(
         "random" => Box::new(Random(seed | 1)),
         "least_loaded" => Box::new(LeastLoaded),
         "session_sticky" => Box::new(SessionSticky(0)),
-        "sglang_cache_aware" => Box::new(SglangCacheAware::new(workers)),
+        "sglang_cache_aware" => Box::new(SglangCacheAware::new(workers, seed)),
+        "sglang_sticky" => Box::new(SglangSticky::new(workers, seed)),
         "gie_approx_prefix" => Box::new(GieApproxPrefix::new(workers, seed)),
+        "gie_approx_prefix_6250" => Box::new(GieApproxPrefix::matching(workers, seed, gie::LONG_PROMPT_PREFIX_BLOCKS)),
         "llm_d_precise" => Box::new(LlmDPrecise::new(workers, seed)),
         // `dynamo_precise` is the old name, kept for one release.
         "dynamo" | "dynamo_precise" => Box::new(Dynamo::new(workers, seed)),

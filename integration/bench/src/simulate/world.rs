@@ -351,6 +351,12 @@ impl View<'_> {
         self.workers[w].engine.cache_blocks().1
     }
 
+    /// vLLM's `kv_cache_usage_perc`: the share of blocks running requests
+    /// hold.
+    pub(crate) fn kv_cache_usage_perc(&self, w: usize) -> f64 {
+        self.workers[w].engine.kv_usage()
+    }
+
     /// The engines' block size in tokens (`vllm:cache_config_info`'s
     /// `block_size`; a router's `--block-size` is set to match it).
     pub(crate) fn block_tokens(&self) -> u64 {

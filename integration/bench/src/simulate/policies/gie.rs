@@ -27,8 +27,14 @@ use crate::simulate::world::{Prepared, View};
 
 /// `averageCharactersPerToken`: the block in bytes of the request body.
 const CHARACTERS_PER_TOKEN: usize = 4;
-/// `defaultMaxPrefixBlocks`.
+/// `defaultMaxPrefixBlocks`: about 4,096 tokens at 16-token blocks.
 const MAX_PREFIX_BLOCKS: usize = 256;
+/// `maxPrefixBlocksToMatch` for long prompts: the value at which llm-d's
+/// router docs find "hit rates improve significantly" (at an EPP CPU cost);
+/// GIE's own guide (`site-src/guides/epp-configuration/prefix-aware.md`)
+/// calls the setting the accuracy/performance trade-off. It is the
+/// `gie_approx_prefix_6250` variant.
+pub(crate) const LONG_PROMPT_PREFIX_BLOCKS: usize = 6_250;
 
 /// `getUserInputBytes` of a chat call: the JSON of its `messages`.
 fn user_input(r: &Prepared) -> Vec<u8> {
@@ -40,12 +46,12 @@ fn user_input(r: &Prepared) -> Vec<u8> {
 /// blocks seeded by the model, then of a partial last block if any. The
 /// block is vLLM's block size as AutoTune reads it from
 /// `vllm:cache_config_info`, in characters.
-fn prompt_hashes(input: &[u8], block_size_tokens: u64) -> Vec<u64> {
+fn prompt_hashes(input: &[u8], block_size_tokens: u64, max_prefix_blocks: usize) -> Vec<u64> {
     let block = usize::try_from(block_size_tokens).unwrap_or(usize::MAX) * CHARACTERS_PER_TOKEN;
     if input.len() < block {
         return Vec::new();
     }
-    let input = &input[..input.len().min(block * MAX_PREFIX_BLOCKS)];
+    let input = &input[..input.len().min(block.saturating_mul(max_prefix_blocks))];
     let mut prev = bytes_hash(b"sim");
     input
         .chunks(block)
@@ -62,11 +68,19 @@ pub(crate) struct GieApproxPrefix {
     servers: Vec<Option<Lru<u64>>>,
     running: RunningBlocks,
     rng: Rng,
+    /// `maxPrefixBlocksToMatch`.
+    max_prefix_blocks: usize,
 }
 
 impl GieApproxPrefix {
     pub(crate) fn new(workers: usize, seed: u64) -> Self {
+        Self::matching(workers, seed, MAX_PREFIX_BLOCKS)
+    }
+
+    /// `maxPrefixBlocksToMatch` set to `max_prefix_blocks`.
+    pub(crate) fn matching(workers: usize, seed: u64, max_prefix_blocks: usize) -> Self {
         Self {
+            max_prefix_blocks,
             servers: vec![None; workers],
             running: RunningBlocks::new(workers),
             rng: Rng::new(seed),
@@ -124,7 +138,7 @@ pub(super) fn queue_scores(waiting: &[usize]) -> Vec<f64> {
 
 impl Policy for GieApproxPrefix {
     fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        let hashes = prompt_hashes(&user_input(r), view.block_tokens());
+        let hashes = prompt_hashes(&user_input(r), view.block_tokens(), self.max_prefix_blocks);
         let matched = self.match_longest_prefix(&hashes);
         let prefix: Vec<f64> = matched
             .iter()
@@ -168,6 +182,25 @@ mod tests {
     use super::super::tests::{request, text};
     use super::*;
     use crate::simulate::world::World;
+
+    #[test]
+    fn max_prefix_blocks_bounds_the_hashed_window() {
+        // 16-token blocks of 4 characters a token: 64 bytes a block.
+        let input = vec![b'x'; 64 * 300];
+        assert_eq!(prompt_hashes(&input, 16, MAX_PREFIX_BLOCKS).len(), 256);
+        assert_eq!(prompt_hashes(&input, 16, LONG_PROMPT_PREFIX_BLOCKS).len(), 300);
+        // Two prompts that differ past the default window hash alike there.
+        let mut other = input.clone();
+        other[64 * 280] = b'y';
+        assert_eq!(
+            prompt_hashes(&input, 16, MAX_PREFIX_BLOCKS),
+            prompt_hashes(&other, 16, MAX_PREFIX_BLOCKS)
+        );
+        assert_ne!(
+            prompt_hashes(&input, 16, LONG_PROMPT_PREFIX_BLOCKS),
+            prompt_hashes(&other, 16, LONG_PROMPT_PREFIX_BLOCKS)
+        );
+    }
 
     #[test]
     fn autotune_sizes_each_servers_lru_from_the_engines_blocks() {

@@ -452,6 +452,7 @@ pub(crate) fn run_policy(
         "prefill_tokens": prompt - cached,
         // Cached tokens that came back from the host tier (0 without one).
         "host_loaded_tokens": host_loaded,
+        "ttft_mean_ms": ttft.iter().sum::<f64>() / ttft.len().max(1) as f64,
         "ttft_p50_ms": percentile(&ttft, 0.5),
         "ttft_p99_ms": percentile(&ttft, 0.99),
         "throughput_tok_s": output as f64 / makespan_s.max(1e-9),

@@ -34,13 +34,14 @@ pub(crate) trait Policy {
     fn workload(&mut self, _requests: &[Prepared], _block_tokens: u64) {}
 }
 
-pub(crate) const ALL: [&str; 16] = [
+pub(crate) const ALL: [&str; 17] = [
     "kvmesh",
     "kvmesh_oracle",
     "kvmesh_pick_time_cache",
     "kvmesh_no_retention",
     "dynamo",
     "dynamo_sticky",
+    "dynamo_soft",
     "dynamo_agents",
     "llm_d_precise",
     "gie_approx_prefix",
@@ -61,6 +62,11 @@ pub(crate) fn make(
     prefill_rate: f64,
 ) -> Option<Box<dyn Policy>> {
     // `dynamo_agents@S` sweeps Dynamo's `--router-prefill-load-scale`.
+    // `dynamo_soft@T`: soft affinity with the busy threshold at `T`.
+    if let Some(threshold) = name.strip_prefix("dynamo_soft@") {
+        let threshold: f64 = threshold.parse().ok().filter(|t: &f64| (0.0..=1.0).contains(t))?;
+        return Some(Box::new(Dynamo::soft(workers, threshold, seed)));
+    }
     if let Some(scale) = name.strip_prefix("dynamo_agents@") {
         let scale: f64 = scale.parse().ok().filter(|s: &f64| s.is_finite() && *s >= 0.0)?;
         return Some(Box::new(Dynamo::agents(workers, scale, seed)));
@@ -96,6 +102,7 @@ pub(crate) fn make(
         // `dynamo_precise` is the old name, kept for one release.
         "dynamo" | "dynamo_precise" => Box::new(Dynamo::new(workers, seed)),
         "dynamo_sticky" => Box::new(Dynamo::sticky(workers, seed)),
+        "dynamo_soft" => Box::new(Dynamo::soft(workers, 0.85, seed)),
         "dynamo_agents" => Box::new(Dynamo::agents(workers, 1.0, seed)),
         _ => return None,
     })
@@ -485,6 +492,7 @@ mod tests {
             "dynamo_agents@1",
             "dynamo_agents@2",
             "dynamo_agents@4",
+            "dynamo_soft@0.5",
         ]) {
             assert!(make(name, 4, 100_000, 1, 20.0).is_some(), "{name}");
         }
@@ -492,12 +500,14 @@ mod tests {
             "dynamo_agents@",
             "dynamo_agents@-1",
             "dynamo_agents@x",
+            "dynamo_soft@1.5",
+            "dynamo_soft@x",
             "dynamo@2",
             "nope",
         ] {
             assert!(make(name, 4, 100_000, 1, 20.0).is_none(), "{name}");
         }
-        assert_eq!(ALL.iter().filter(|n| n.starts_with("dynamo")).count(), 3);
+        assert_eq!(ALL.iter().filter(|n| n.starts_with("dynamo")).count(), 4);
     }
 
     #[test]

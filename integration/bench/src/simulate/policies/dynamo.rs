@@ -211,6 +211,13 @@ pub(crate) struct Dynamo {
     running: RunningBlocks,
     rng: Rng,
     agents: Option<Agents>,
+    /// `--active-decode-blocks-threshold`: a worker whose blocks in use
+    /// (its running requests', or the engine's reported KV usage, whichever
+    /// is more) exceed this share of its KV is busy, and out of the
+    /// selection; set, it makes affinity soft (`--router-session-affinity-mode
+    /// soft`): a session bound to a busy worker is placed by cost among the
+    /// others and rebound there. `None`: off, the default.
+    busy_threshold: Option<f64>,
 }
 
 impl Dynamo {
@@ -221,6 +228,7 @@ impl Dynamo {
             running: RunningBlocks::new(workers),
             rng: Rng::new(seed),
             agents: None,
+            busy_threshold: None,
         }
     }
 
@@ -245,6 +253,27 @@ impl Dynamo {
             agents: Some(Agents::default()),
             ..Self::new(workers, seed)
         }
+    }
+
+    /// `sticky` in soft mode with `--active-decode-blocks-threshold T`
+    /// (`lib/llm/src/discovery/worker_monitor.rs` `is_overloaded`; the
+    /// request-rejection docs' example is 0.85). Upstream the busy latch
+    /// clears only once both signals are back below the threshold; the port
+    /// reads them afresh at each pick.
+    pub(crate) fn soft(workers: usize, threshold: f64, seed: u64) -> Self {
+        Self {
+            busy_threshold: Some(threshold),
+            ..Self::sticky(workers, seed)
+        }
+    }
+
+    /// Whether worker `w` is over the busy threshold.
+    fn busy(&self, w: usize, view: &View<'_>) -> bool {
+        self.busy_threshold.is_some_and(|t| {
+            let total = view.num_gpu_blocks(w).max(1) as f64;
+            let active = self.running.unique(w) as f64 / total;
+            active.max(view.kv_cache_usage_perc(w)) > t
+        })
     }
 
     /// Each worker's cost for a request of `isl_tokens` whose blocks are
@@ -288,7 +317,12 @@ impl Policy for Dynamo {
         if let Some(agents) = &mut self.agents {
             agents.observe(now);
         }
-        let bound = self.agents.as_ref().and_then(|a| a.bound(r, now));
+        let busy: Vec<bool> = (0..view.workers()).map(|w| self.busy(w, view)).collect();
+        let bound = self
+            .agents
+            .as_ref()
+            .and_then(|a| a.bound(r, now))
+            .filter(|&w| !busy.get(w).copied().unwrap_or(false));
         let chosen = bound.unwrap_or_else(|| {
             let overlap: Vec<u64> = (0..view.workers())
                 .map(|w| {
@@ -299,7 +333,17 @@ impl Policy for Dynamo {
                 })
                 .collect();
             let backlog: Vec<f64> = (0..view.workers()).map(|w| view.queued_prefill_tokens(w)).collect();
-            let costs = self.costs(block_tokens, r.prompt_tokens, &blocks, &overlap, &backlog);
+            let mut costs = self.costs(block_tokens, r.prompt_tokens, &blocks, &overlap, &backlog);
+            // Busy workers are out of the selection; with every worker busy
+            // upstream answers 529, which a run of served calls cannot, so
+            // then all stay in.
+            if busy.iter().any(|b| !b) {
+                for (c, &b) in costs.iter_mut().zip(&busy) {
+                    if b {
+                        *c = f64::INFINITY;
+                    }
+                }
+            }
             argmin_random_ties(&costs, &mut self.rng)
         });
         if let Some(agents) = &mut self.agents {
@@ -410,6 +454,26 @@ mod tests {
         assert_eq!(side.bound(&late, 1_100_002.0), Some(w));
         assert_eq!(side.bound(&sub2, 1_100_002.0), Some(u));
         assert_eq!(side.bound(&late, 1_100_004.0), None);
+    }
+
+    #[test]
+    fn soft_affinity_leaves_a_bound_worker_over_the_busy_threshold_and_rebinds() {
+        // 1,000 blocks of 16 tokens a worker.
+        let world = World::new(2, 16_000, TimingModel::default());
+        let first = request(0, "s1", &text(1, 4), 1);
+        for (mut dynamo, stays) in [(Dynamo::sticky(2, 1), true), (Dynamo::soft(2, 0.85, 1), false)] {
+            let w = dynamo.pick(&first, &world.view(0.0));
+            dynamo.completed(w, &first, 0, 0.0, 0.0);
+            // 900 of `w`'s 1,000 blocks held by running requests: busy at 0.85.
+            dynamo.running.add(99, w, (10_000..10_900).collect());
+            let again = request(1, "s1", &text(1, 4), 1);
+            let next = dynamo.pick(&again, &world.view(1_000.0));
+            assert_eq!(next == w, stays, "hard keeps the binding, soft leaves a busy worker");
+            // Soft rebinds where it went: the following call goes there too.
+            dynamo.completed(next, &again, 0, 0.0, 0.0);
+            let third = request(2, "s1", &text(1, 4), 1);
+            assert_eq!(dynamo.pick(&third, &world.view(2_000.0)), next);
+        }
     }
 
     #[test]

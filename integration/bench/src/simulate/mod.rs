@@ -58,6 +58,11 @@ pub(crate) struct Options {
     /// Time before a prefill computes anything, in ms (default 5).
     #[arg(long)]
     first_token_ms: Option<f64>,
+    /// Each prefill's and decode's time varies by a seeded log-normal
+    /// factor of mean 1 and this σ (a real engine's run-to-run noise; 0:
+    /// none, the default).
+    #[arg(long, default_value_t = 0.0)]
+    engine_jitter: f64,
     /// `all`, or a comma-separated list of policy names.
     #[arg(long, default_value = "all")]
     policies: String,
@@ -97,6 +102,8 @@ pub(crate) struct Fleet {
     pub(crate) host_tier_blocks: u64,
     /// The engines' KV block, in tokens.
     pub(crate) block_tokens: u64,
+    /// σ of the engines' log-normal noise (0: none).
+    pub(crate) jitter: f64,
 }
 
 impl Fleet {
@@ -242,7 +249,7 @@ pub(crate) fn run_policy(
         bail!("unknown policy {name:?}; known: {}", policies::ALL.join(", "));
     };
     policy.workload(prepared, fleet.block_tokens);
-    let mut world = World::with_engines(fleet.workers, fleet.engine(), timing);
+    let mut world = World::with_engines(fleet.workers, fleet.engine(), timing).jittered(fleet.jitter, seed);
     if fleet.host_tier_blocks > 0 {
         policy.host_tier(fleet.host_tier_blocks.saturating_mul(fleet.block_tokens));
     }
@@ -528,6 +535,9 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
     } else {
         options.policies.split(',').map(|s| s.trim().to_owned()).collect()
     };
+    if !(options.engine_jitter.is_finite() && (0.0..=2.0).contains(&options.engine_jitter)) {
+        bail!("--engine-jitter must be between 0 and 2");
+    }
     if options.engine_block_tokens == 0 || !options.engine_block_tokens.is_multiple_of(world::BLOCK_END_TOKENS) {
         bail!("--engine-block-tokens must be a positive multiple of 16");
     }
@@ -536,6 +546,7 @@ pub(crate) fn run(options: Options) -> anyhow::Result<()> {
         capacity_tokens: options.capacity_tokens,
         host_tier_blocks: options.host_tier_blocks,
         block_tokens: options.engine_block_tokens,
+        jitter: options.engine_jitter,
     };
     let mut timing = TimingModel::default();
     if let Some(rate) = options.host_load_tokens_per_ms {
@@ -783,6 +794,7 @@ mod tests {
             capacity_tokens: 200_000,
             host_tier_blocks: 0,
             block_tokens: 16,
+            jitter: 0.0,
         };
         play_on(requests, closed_loop, policy, fleet)
     }
@@ -813,6 +825,7 @@ mod tests {
                 capacity_tokens: 12_000,
                 host_tier_blocks,
                 block_tokens: 16,
+                jitter: 0.0,
             };
             let (_, plain) = play_on(&requests, true, policy, fleet(0));
             let (_, tiered) = play_on(&requests, true, policy, fleet(2_000));
@@ -826,6 +839,27 @@ mod tests {
 
     /// Two domains' sessions (tau-bench's shape): each call is its domain's
     /// long system prompt, then the session's growing conversation.
+    #[test]
+    fn engine_jitter_is_seeded_and_its_factor_has_mean_one() {
+        let requests = agents();
+        let fleet = |jitter| Fleet {
+            workers: 2,
+            capacity_tokens: 1_000_000,
+            host_tier_blocks: 0,
+            block_tokens: 16,
+            jitter,
+        };
+        let ttfts = |jitter| play_on(&requests, true, "round_robin", fleet(jitter)).1.ttft;
+        let (plain, noisy) = (ttfts(0.0), ttfts(0.3));
+        assert_eq!(noisy, ttfts(0.3), "the same seed draws the same noise");
+        assert_ne!(noisy, plain);
+        // The factor has mean one (the waits it causes need not: variance
+        // lengthens queues).
+        let mut j = world::Jitter::new(0.3, 7, 0);
+        let mean = (0..20_000).map(|_| j.factor()).sum::<f64>() / 20_000.0;
+        assert!((mean - 1.0).abs() < 0.01, "{mean}");
+    }
+
     fn domains() -> Vec<Request> {
         let mut requests = Vec::new();
         for s in 0..8 {
@@ -852,6 +886,7 @@ mod tests {
                 capacity_tokens,
                 host_tier_blocks: 0,
                 block_tokens: 16,
+                jitter: 0.0,
             };
             let mut tokenizer = kvmesh_sim::tokenizer::Tokenizer::new().unwrap();
             let prompts: Vec<Vec<u32>> = requests

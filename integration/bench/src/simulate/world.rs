@@ -153,6 +153,8 @@ struct Prefilling {
     /// before it computed.
     start: f64,
     load_ms: f64,
+    /// This prefill's jitter: its compute takes this many times the model's.
+    slowdown: f64,
     computed_tokens: u64,
     /// Tokens the prefill computes: the uncached prompt, and the output a
     /// preempted request had generated.
@@ -237,6 +239,8 @@ pub(crate) struct WorkerSim {
     scheduled: u64,
     /// Requests preempted to free blocks.
     pub(crate) preemptions: u64,
+    /// The engine's noise, if any (`World::jittered`).
+    jitter: Option<Jitter>,
     /// Requests admitted and not finished (some may have finished by the
     /// time a view looks: views filter by their time).
     admitted: Vec<Admitted>,
@@ -436,6 +440,7 @@ impl World {
                     decoding: Vec::new(),
                     scheduled: 0,
                     preemptions: 0,
+                    jitter: None,
                     admitted: Vec::new(),
                     prefill_tokens: 0,
                     host_loaded_tokens: 0,
@@ -443,6 +448,18 @@ impl World {
                 .collect(),
             timing,
         }
+    }
+
+    /// Every prefill's and every decode's time multiplied by a draw of
+    /// `exp(σ·z − σ²/2)`, `z` standard normal (mean 1: a real engine's run
+    /// to run noise), seeded per worker from `seed`. σ 0: none.
+    pub(crate) fn jittered(mut self, sigma: f64, seed: u64) -> Self {
+        if sigma > 0.0 {
+            for (w, worker) in self.workers.iter_mut().enumerate() {
+                worker.jitter = Some(Jitter::new(sigma, seed, w as u64));
+            }
+        }
+        self
     }
 
     pub(crate) fn view(&self, now: f64) -> View<'_> {
@@ -482,10 +499,44 @@ impl World {
     }
 }
 
+/// An engine's run-to-run noise: a seeded log-normal factor of mean 1.
+#[derive(Debug, Clone)]
+pub(crate) struct Jitter {
+    sigma: f64,
+    state: u64,
+}
+
+impl Jitter {
+    pub(crate) fn new(sigma: f64, seed: u64, worker: u64) -> Self {
+        let state =
+            (seed ^ 0x9e37_79b9_7f4a_7c15).wrapping_mul(worker.wrapping_add(1).wrapping_mul(0xbf58_476d_1ce4_e5b9));
+        Self {
+            sigma,
+            state: state | 1,
+        }
+    }
+
+    /// Uniform in (0, 1) (xorshift64*).
+    fn uniform(&mut self) -> f64 {
+        self.state ^= self.state >> 12;
+        self.state ^= self.state << 25;
+        self.state ^= self.state >> 27;
+        let x = self.state.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    pub(crate) fn factor(&mut self) -> f64 {
+        // Box-Muller.
+        let (u1, u2) = (self.uniform(), self.uniform());
+        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        (self.sigma * z - self.sigma * self.sigma / 2.0).exp()
+    }
+}
+
 /// When the running prefill's next chunk is computed.
 fn chunk_done_at(timing: &TimingModel, p: &Prefilling) -> f64 {
     let next = (p.computed_tokens + PREFILL_CHUNK_TOKENS).min(p.to_compute);
-    p.start + p.load_ms + ms(timing.prefill(next))
+    p.start + p.load_ms + ms(timing.prefill(next)) * p.slowdown
 }
 
 /// One worker's machinery: what `World` runs on each, and what a forward
@@ -720,7 +771,8 @@ impl WorkerSim {
         let uncached = served.uncached_tokens();
         let to_compute = uncached + generated;
         let load_ms = ms(timing.host_load(served.host_loaded_tokens));
-        let first_token = start + load_ms + ms(timing.prefill(to_compute));
+        let slowdown = worker.jitter.as_mut().map_or(1.0, Jitter::factor);
+        let first_token = start + load_ms + ms(timing.prefill(to_compute)) * slowdown;
         worker.prefill_free_at = first_token;
         let batch: f64 = worker
             .admitted
@@ -729,7 +781,8 @@ impl WorkerSim {
             .map(|a| a.mean_attended_tokens)
             .sum();
         let own = served.prompt_tokens as f64 + f64::from(waiting.output_tokens) / 2.0;
-        let step_ms = ms(timing.decode_step((batch + own).round() as u64));
+        let step_ms =
+            ms(timing.decode_step((batch + own).round() as u64)) * worker.jitter.as_mut().map_or(1.0, Jitter::factor);
         let left = waiting.output_tokens.saturating_sub(waiting.generated);
         let end = first_token + f64::from(left) * step_ms;
         if let Some(a) = worker.admitted.iter_mut().rev().find(|a| a.index == waiting.index) {
@@ -760,6 +813,7 @@ impl WorkerSim {
                 running,
                 start,
                 load_ms,
+                slowdown,
                 computed_tokens: 0,
                 to_compute,
             });

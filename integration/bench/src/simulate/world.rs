@@ -4,7 +4,7 @@
 //! timing model (a FIFO prefill queue whose head is admitted when its
 //! blocks fit beside the running requests', looked up when its prefill
 //! starts and cached chunk by chunk as it computes; decode steps that read
-//! the weights and the batch's KV, each 16 output tokens taking a block; a
+//! the weights and the batch's KV, a block's worth of output taking a block; a
 //! decoding request that needs a block when none is free preempts the
 //! newest decoding request, which is queued again at the front and
 //! recomputed, as vLLM's recompute preemption does). With a host

@@ -30,32 +30,41 @@ pub(crate) enum Format {
     Text,
 }
 
-/// Bytes of synthesized text per token: the engine model counts 4.
-const BYTES_PER_TOKEN: usize = 4;
+/// A recorded completion of N bytes is asked for as N / 4 output tokens
+/// (the call's `max_tokens`), by `replay` and `simulate` alike: a property
+/// of the workload, which the real-engine comparison sent so, not of any
+/// tokenizer.
+const COMPLETION_BYTES_PER_TOKEN: usize = 4;
 
-/// Deterministic text for one Mooncake block id: equal ids, equal text.
-fn block_text(id: u64, tokens: usize) -> String {
-    const WORDS: [&str; 16] = [
-        "kv ", "cache ", "route ", "agent ", "tool ", "call ", "token ", "block ", "prefix ", "model ", "query ",
-        "worker ", "batch ", "decode ", "fill ", "mesh ",
-    ];
-    let mut out = String::with_capacity(tokens * BYTES_PER_TOKEN + 8);
+/// Words that are one token each in the simulated engine's vocabulary, and
+/// stay one token each in any sequence (each starts with the space the
+/// BPE's pre-tokenizer cuts at): a block of N of them is N engine tokens,
+/// as a Mooncake block of N tokens should be.
+const WORDS: [&str; 16] = [
+    " cache", " route", " agent", " tool", " call", " token", " block", " prefix", " model", " worker", " batch",
+    " decode", " session", " request", " engine", " router",
+];
+
+/// Deterministic text for one Mooncake block id, `tokens` words long
+/// (equal ids, equal text), and where each word ends in it.
+fn block_text(id: u64, tokens: usize) -> (String, Vec<usize>) {
+    let mut out = String::with_capacity(tokens * 8);
+    let mut ends = Vec::with_capacity(tokens);
     let mut state = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    out.push_str(&format!("#{id} "));
-    while out.len() < tokens * BYTES_PER_TOKEN {
+    for _ in 0..tokens {
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
         out.push_str(WORDS[(state % 16) as usize]);
+        ends.push(out.len());
     }
-    out.truncate(tokens * BYTES_PER_TOKEN);
-    out
+    (out, ends)
 }
 
 fn load_mooncake(path: &Path, block_tokens: usize) -> anyhow::Result<Vec<Request>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut requests = Vec::new();
-    let mut cache: HashMap<u64, String> = HashMap::new();
+    let mut cache: HashMap<u64, (String, Vec<usize>)> = HashMap::new();
     for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let v: Value = serde_json::from_str(line).with_context(|| format!("line {}", n + 1))?;
         let ids = v["hash_ids"]
@@ -71,8 +80,9 @@ fn load_mooncake(path: &Path, block_tokens: usize) -> anyhow::Result<Vec<Request
             } else {
                 block_tokens
             };
-            let full = cache.entry(id).or_insert_with(|| block_text(id, block_tokens));
-            prompt.push_str(&full[..(tokens * BYTES_PER_TOKEN).min(full.len())]);
+            let (full, ends) = cache.entry(id).or_insert_with(|| block_text(id, block_tokens));
+            let end = ends.get(tokens.saturating_sub(1)).copied().unwrap_or(full.len());
+            prompt.push_str(&full[..end]);
         }
         requests.push(Request {
             at_ms: v["timestamp"].as_f64().unwrap_or(0.0),
@@ -103,7 +113,7 @@ fn load_text_file(path: &Path, out: &mut Vec<Request>) -> anyhow::Result<()> {
             parent: v["parent_session_id"].as_str().unwrap_or_default().to_owned(),
             session_final: v["session_final"].as_bool().unwrap_or(false),
             text: input.to_owned(),
-            output_tokens: u32::try_from((output.len() / BYTES_PER_TOKEN).max(1)).unwrap_or(u32::MAX),
+            output_tokens: u32::try_from((output.len() / COMPLETION_BYTES_PER_TOKEN).max(1)).unwrap_or(u32::MAX),
         });
     }
     Ok(())
@@ -247,9 +257,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn equal_block_ids_give_equal_text() {
+    fn equal_block_ids_give_equal_text_of_as_many_engine_tokens() {
         assert_eq!(block_text(7, 512), block_text(7, 512));
-        assert_ne!(block_text(7, 512), block_text(8, 512));
-        assert_eq!(block_text(7, 512).len(), 2048);
+        assert_ne!(block_text(7, 512).0, block_text(8, 512).0);
+        // A block is as many tokens as it stands for, alone and in a row
+        // of blocks, under the simulated engine's tokenizer.
+        let mut tokenizer = kvmesh_sim::tokenizer::Tokenizer::new().unwrap();
+        assert_eq!(tokenizer.encode(block_text(7, 512).0.as_bytes()).len(), 512);
+        let row: String = (0..5).map(|id| block_text(id, 512).0).collect();
+        assert_eq!(tokenizer.encode(row.as_bytes()).len(), 5 * 512);
     }
 }

@@ -122,7 +122,14 @@ async fn post_at_once(cluster: &Cluster, body: &[u8], session: &str) -> anyhow::
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_in_one_byte_and_64_kb_writes_hash_as_one_chunk() -> anyhow::Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default().patient()).await?;
+    // Engines with room for the largest body's prompt (600 KB is about
+    // 240,000 tokens under the simulated engine's tokenizer, past its
+    // default 200,000): the second call must find every block of the first.
+    let mut options = ClusterOptions::default().patient();
+    options
+        .sim_args
+        .extend(["--capacity-tokens".to_owned(), "1000000".to_owned()]);
+    let cluster = Cluster::start(options).await?;
     let predicted = || cluster.sidecar_metric("kvmesh_predicted_cached_blocks_total");
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.sidecar_grpc))?
         .connect()

@@ -394,7 +394,7 @@ pub(crate) fn run_policy(
             *n += 1;
         }
     }
-    let preemptions: u64 = world.workers.iter().map(|w| w.preemptions).sum();
+    let preemptions: u64 = world.workers.iter().map(|w| w.engine.preemptions()).sum();
     let host_loaded: u64 = world.workers.iter().map(|w| w.host_loaded_tokens).sum();
     let mean = per_worker.iter().sum::<f64>() / per_worker.len().max(1) as f64;
     let imbalance = per_worker.iter().copied().fold(0.0, f64::max) / mean.max(1.0);

@@ -146,20 +146,35 @@ impl Rng {
 /// The index of the smallest cost, ties uniformly at random (reservoir
 /// sampling over the tied minima, as Dynamo's zero-temperature selector).
 fn argmin_random_ties(costs: &[f64], rng: &mut Rng) -> usize {
-    let mut best = 0;
+    argmin_random_ties_within(costs.iter().copied().enumerate(), 0.0, rng).unwrap_or(0)
+}
+
+/// `argmin_random_ties` over `(index, cost)` pairs, costs within
+/// `tolerance` of the least tying (the first least's cost is the
+/// reference); `None` for no pairs.
+fn argmin_random_ties_within(
+    costs: impl IntoIterator<Item = (usize, f64)>,
+    tolerance: f64,
+    rng: &mut Rng,
+) -> Option<usize> {
+    let mut best: Option<(usize, f64)> = None;
     let mut ties = 0;
-    for (i, &c) in costs.iter().enumerate() {
-        if ties == 0 || c < costs[best] {
-            best = i;
+    for (i, c) in costs {
+        let new_least = best.is_none_or(|(_, least)| c < least - tolerance);
+        if new_least {
+            best = Some((i, c));
             ties = 1;
-        } else if c == costs[best] {
+        } else if let Some((_, least)) = best
+            && c >= least - tolerance
+            && c <= least + tolerance
+        {
             ties += 1;
             if rng.below(ties) == 0 {
-                best = i;
+                best = Some((i, least));
             }
         }
     }
-    best
+    best.map(|(i, _)| i)
 }
 
 /// The index of the largest score, ties uniformly at random (the

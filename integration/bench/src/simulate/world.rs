@@ -237,8 +237,6 @@ pub(crate) struct WorkerSim {
     decoding: Vec<Decoding>,
     /// Requests scheduled so far (orders `Decoding::scheduled`).
     scheduled: u64,
-    /// Requests preempted to free blocks.
-    pub(crate) preemptions: u64,
     /// The engine's noise, if any (`World::jittered`).
     jitter: Option<Jitter>,
     /// Requests admitted and not finished (some may have finished by the
@@ -439,7 +437,6 @@ impl World {
                     prefill_free_at: 0.0,
                     decoding: Vec::new(),
                     scheduled: 0,
-                    preemptions: 0,
                     jitter: None,
                     admitted: Vec::new(),
                     prefill_tokens: 0,
@@ -653,8 +650,7 @@ impl WorkerSim {
     /// `now`, oldest first; one that finds none free preempts the newest
     /// decoding request (itself, if it is the newest).
     fn grow_outputs(&mut self, now: f64) {
-        let worker = self;
-        let mut order: Vec<(u64, usize)> = worker
+        let mut order: Vec<(u64, usize)> = self
             .decoding
             .iter()
             .filter(|d| d.running.is_some())
@@ -662,15 +658,15 @@ impl WorkerSim {
             .collect();
         order.sort_unstable();
         for (_, index) in order {
-            while let Some(d) = worker.decoding.iter_mut().find(|d| d.index == index) {
+            while let Some(d) = self.decoding.iter_mut().find(|d| d.index == index) {
                 let generated = u64::from(d.generated_at(now + STEP_EPSILON));
                 let Some(running) = d.running.as_mut() else {
                     break;
                 };
-                if worker.engine.grow(running, generated) {
+                if self.engine.grow(running, generated) {
                     break;
                 }
-                let Some(victim) = worker
+                let Some(victim) = self
                     .decoding
                     .iter()
                     .filter(|d| d.running.is_some())
@@ -679,7 +675,7 @@ impl WorkerSim {
                 else {
                     break;
                 };
-                worker.preempt(victim, now);
+                self.preempt(victim, now);
                 if victim == index {
                     break;
                 }
@@ -690,20 +686,18 @@ impl WorkerSim {
     /// Recompute preemption: the request lets its blocks go and waits at
     /// the head of the queue, with the output it has generated so far.
     fn preempt(&mut self, index: usize, now: f64) {
-        let worker = self;
-        let Some(at) = worker.decoding.iter().position(|d| d.index == index) else {
+        let Some(at) = self.decoding.iter().position(|d| d.index == index) else {
             return;
         };
-        let d = worker.decoding.swap_remove(at);
+        let d = self.decoding.swap_remove(at);
         let generated = d.generated_at(now + STEP_EPSILON);
         if let Some(running) = d.running {
-            worker.engine.preempt(running, 0);
+            self.engine.preempt(running, 0);
         }
-        worker.preemptions += 1;
-        if let Some(a) = worker.admitted.iter_mut().rev().find(|a| a.index == index) {
+        if let Some(a) = self.admitted.iter_mut().rev().find(|a| a.index == index) {
             a.end = f64::INFINITY;
         }
-        worker.queue.push_front(Waiting {
+        self.queue.push_front(Waiting {
             index,
             arrival: d.arrival,
             tokens: d.tokens,
@@ -714,17 +708,16 @@ impl WorkerSim {
 
     /// The requests whose last token is due by `now` finish.
     fn finish_due(&mut self, now: f64, events: &mut Vec<Event>) {
-        let worker = self;
         let mut i = 0;
-        while i < worker.decoding.len() {
-            let d = &worker.decoding[i];
+        while i < self.decoding.len() {
+            let d = &self.decoding[i];
             if d.running.is_none() || d.end > now {
                 i += 1;
                 continue;
             }
-            let d = worker.decoding.swap_remove(i);
+            let d = self.decoding.swap_remove(i);
             if let Some(running) = d.running {
-                worker.engine.finish(running, 0);
+                self.engine.finish(running, 0);
             }
             events.push(Event::Finished {
                 index: d.index,
@@ -736,19 +729,18 @@ impl WorkerSim {
     /// The running prefill's next chunk is computed: its full blocks are
     /// cached; the last one hands the request to decode.
     fn compute_chunk(&mut self) {
-        let worker = self;
-        let Some(p) = worker.prefilling.as_mut() else {
+        let Some(p) = self.prefilling.as_mut() else {
             return;
         };
         p.computed_tokens = (p.computed_tokens + PREFILL_CHUNK_TOKENS).min(p.to_compute);
         let finished = p.computed_tokens >= p.to_compute;
         let computed = if finished { u64::MAX } else { p.computed_tokens };
-        worker.engine.cache_computed(&mut p.running, computed);
-        if finished && let Some(p) = worker.prefilling.take() {
-            if let Some(d) = worker.decoding.iter_mut().find(|d| d.index == p.index) {
+        self.engine.cache_computed(&mut p.running, computed);
+        if finished && let Some(p) = self.prefilling.take() {
+            if let Some(d) = self.decoding.iter_mut().find(|d| d.index == p.index) {
                 d.running = Some(p.running);
             } else {
-                worker.engine.finish(p.running, 0);
+                self.engine.finish(p.running, 0);
             }
         }
     }
@@ -758,23 +750,22 @@ impl WorkerSim {
     /// tokens are computed, and each decode step reads the weights and the
     /// KV of the batch decoding then.
     fn start_prefill(&mut self, timing: &TimingModel, w: usize, start: f64) -> Option<Event> {
-        let worker = self;
-        let waiting = worker.queue.front()?;
-        let mut running = worker.engine.try_begin_prefill(&waiting.tokens)?;
-        let waiting = worker.queue.pop_front()?;
+        let waiting = self.queue.front()?;
+        let mut running = self.engine.try_begin_prefill(&waiting.tokens)?;
+        let waiting = self.queue.pop_front()?;
         let generated = u64::from(waiting.generated);
         if generated > 0 {
             // Room for the output it had generated (overcommitted if none).
-            let _ = worker.engine.grow(&mut running, generated);
+            let _ = self.engine.grow(&mut running, generated);
         }
         let served = running.served;
         let uncached = served.uncached_tokens();
         let to_compute = uncached + generated;
         let load_ms = ms(timing.host_load(served.host_loaded_tokens));
-        let slowdown = worker.jitter.as_mut().map_or(1.0, Jitter::factor);
+        let slowdown = self.jitter.as_mut().map_or(1.0, Jitter::factor);
         let first_token = start + load_ms + ms(timing.prefill(to_compute)) * slowdown;
-        worker.prefill_free_at = first_token;
-        let batch: f64 = worker
+        self.prefill_free_at = first_token;
+        let batch: f64 = self
             .admitted
             .iter()
             .filter(|a| a.first_token <= first_token && a.end > first_token)
@@ -782,19 +773,19 @@ impl WorkerSim {
             .sum();
         let own = served.prompt_tokens as f64 + f64::from(waiting.output_tokens) / 2.0;
         let step_ms =
-            ms(timing.decode_step((batch + own).round() as u64)) * worker.jitter.as_mut().map_or(1.0, Jitter::factor);
+            ms(timing.decode_step((batch + own).round() as u64)) * self.jitter.as_mut().map_or(1.0, Jitter::factor);
         let left = waiting.output_tokens.saturating_sub(waiting.generated);
         let end = first_token + f64::from(left) * step_ms;
-        if let Some(a) = worker.admitted.iter_mut().rev().find(|a| a.index == waiting.index) {
+        if let Some(a) = self.admitted.iter_mut().rev().find(|a| a.index == waiting.index) {
             if waiting.generated == 0 {
                 a.first_token = first_token;
                 a.uncached = uncached as f64;
             }
             a.end = end;
         }
-        worker.prefill_tokens += to_compute;
-        worker.host_loaded_tokens += served.host_loaded_tokens;
-        worker.scheduled += 1;
+        self.prefill_tokens += to_compute;
+        self.host_loaded_tokens += served.host_loaded_tokens;
+        self.scheduled += 1;
         let mut decoding = Decoding {
             index: waiting.index,
             running: None,
@@ -803,12 +794,12 @@ impl WorkerSim {
             step_ms,
             generated_before: waiting.generated,
             output_tokens: waiting.output_tokens,
-            scheduled: worker.scheduled,
+            scheduled: self.scheduled,
             arrival: waiting.arrival,
             tokens: waiting.tokens,
         };
         if to_compute > 0 {
-            worker.prefilling = Some(Prefilling {
+            self.prefilling = Some(Prefilling {
                 index: waiting.index,
                 running,
                 start,
@@ -820,7 +811,7 @@ impl WorkerSim {
         } else {
             decoding.running = Some(running);
         }
-        worker.decoding.push(decoding);
+        self.decoding.push(decoding);
         (waiting.generated == 0).then_some(Event::Started(Started {
             index: waiting.index,
             served: Served {

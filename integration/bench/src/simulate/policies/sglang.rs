@@ -38,7 +38,7 @@
 
 use std::collections::HashMap;
 
-use super::{Policy, Rng};
+use super::{Policy, Rng, argmin_random_ties_within};
 use crate::simulate::radix::RadixTree;
 use crate::simulate::world::{Prepared, View};
 
@@ -117,25 +117,12 @@ impl SglangCacheAware {
     /// The candidate of least expected wait, ties drawn uniformly; the
     /// winner is credited a dispatch.
     fn least_wait(&mut self, candidates: &[usize], loads: &[f64]) -> usize {
-        let mut best: Option<(usize, f64)> = None;
-        let mut ties = 0;
-        for &w in candidates {
-            let score = self.expected_wait(w, loads[w]);
-            match best {
-                Some((_, least)) if score > least + TIE_EPSILON_SECS => {}
-                Some((_, least)) if score >= least - TIE_EPSILON_SECS => {
-                    ties += 1;
-                    if self.rng.below(ties) == 0 {
-                        best = Some((w, least));
-                    }
-                }
-                _ => {
-                    best = Some((w, score));
-                    ties = 1;
-                }
-            }
-        }
-        let chosen = best.map_or(0, |(w, _)| w);
+        let scores: Vec<(usize, f64)> = candidates
+            .iter()
+            .map(|&w| (w, self.expected_wait(w, loads[w])))
+            .collect();
+        let best = argmin_random_ties_within(scores, TIE_EPSILON_SECS, &mut self.rng);
+        let chosen = best.unwrap_or(0);
         if let Some(n) = self.since_poll.get_mut(chosen) {
             *n += 1.0;
         }

@@ -52,7 +52,8 @@ pub struct EngineCacheEffect {
 
 impl Router {
     /// Applies one batch of worker `id`'s KV events. A clear wipes the
-    /// worker as a restart does. Removals evict the worker's oldest blocks
+    /// worker as a restart does, but for the newest blocks kvmesh placed
+    /// that the same batch stored after it. Removals evict the worker's oldest blocks
     /// in step with the engine, instead of waiting for a miss to shrink the
     /// estimate: down to the engine's resident blocks converted to kvmesh
     /// blocks (at `engine tokens per block / tokens per kvmesh block`) when
@@ -66,7 +67,22 @@ impl Router {
             return effect;
         }
         let tokens_per_block = self.tokens_per_block(id);
+        let Some(worker) = self.workers.get_mut(id.0) else {
+            return effect;
+        };
+        let placed_since = std::mem::take(&mut worker.placed_since_events);
+        if change.engine_block_tokens > 0 {
+            worker.engine_block_tokens = Some(change.engine_block_tokens);
+        }
+        // The engine's block size, unknown until its events name it; none
+        // either while the bytes per token are not sane.
+        let engine_block_tokens = worker
+            .engine_block_tokens
+            .filter(|_| tokens_per_block > 0.0 && tokens_per_block.is_finite())
+            .map(f64::from);
         if change.cleared {
+            worker.removal_carry = 0.0;
+            worker.host_removal_carry = 0.0;
             // vLLM publishes a reset with the events of its next step, the
             // first after it: by then kvmesh may have placed the requests
             // of that step, whose blocks the same batch stores. They are
@@ -76,40 +92,21 @@ impl Router {
             // (docs/benchmarks.md, the agents run). At most what the batch
             // stored, and only blocks placed since the previous batch: an
             // older block was stored before the reset.
-            let worker = self.workers.get(id.0);
-            let block_tokens = Some(change.engine_block_tokens)
-                .filter(|&t| t > 0)
-                .or_else(|| worker.and_then(|w| w.engine_block_tokens));
-            let placed_since = worker.map_or(0, |w| w.placed_since_events);
             let stored_since = change.resident_blocks.unwrap_or(change.stored_blocks);
-            let stored = match block_tokens {
-                Some(tokens) if tokens_per_block > 0.0 && tokens_per_block.is_finite() => {
-                    (stored_since as f64 * f64::from(tokens) / tokens_per_block).floor() as usize
-                }
-                _ => 0,
-            };
+            let stored = engine_block_tokens.map_or(0, |tokens| {
+                (stored_since as f64 * tokens / tokens_per_block).floor() as usize
+            });
             effect.wiped = self.forget_cache_keeping_newest(id, stored.min(placed_since));
         }
         let Some(worker) = self.workers.get_mut(id.0) else {
             return effect;
         };
-        worker.placed_since_events = 0;
-        if change.cleared {
-            worker.removal_carry = 0.0;
-            worker.host_removal_carry = 0.0;
-        }
         worker.engine_host_only_blocks = change.host_only_blocks;
-        if change.engine_block_tokens > 0 {
-            worker.engine_block_tokens = Some(change.engine_block_tokens);
-        }
         worker.engine_resident_blocks = change.resident_blocks;
-        let Some(engine_block_tokens) = worker.engine_block_tokens else {
+        let Some(engine_block_tokens) = engine_block_tokens else {
             return effect;
         };
-        if tokens_per_block <= 0.0 || !tokens_per_block.is_finite() {
-            return effect;
-        }
-        let per_engine_block = f64::from(engine_block_tokens) / tokens_per_block;
+        let per_engine_block = engine_block_tokens / tokens_per_block;
         worker.removal_carry += change.removed_blocks as f64 * per_engine_block;
         let due = worker.removal_carry.floor();
         worker.removal_carry -= due;

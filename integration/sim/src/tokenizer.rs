@@ -78,10 +78,14 @@ impl Tokenizer {
     pub fn new() -> anyhow::Result<Self> {
         let bpe = shared().as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
         let vocabulary = bpe.get_vocab(true);
+        let added = bpe.get_added_vocabulary().get_vocab();
         let mut token_bytes = vec![0u32; vocabulary.values().map(|&id| id as usize + 1).max().unwrap_or(0)];
         for (text, id) in vocabulary {
-            let added = bpe.get_added_vocabulary().get_vocab().contains_key(&text);
-            let bytes = if added { text.len() } else { text.chars().count() };
+            let bytes = if added.contains_key(&text) {
+                text.len()
+            } else {
+                text.chars().count()
+            };
             if let Some(slot) = token_bytes.get_mut(id as usize) {
                 *slot = u32::try_from(bytes).unwrap_or(u32::MAX);
             }

@@ -354,7 +354,7 @@ pub(crate) fn run_policy(
             best_overlap: u32::try_from(overlaps.iter().copied().max().unwrap_or(0)).unwrap_or(u32::MAX),
             costs: vec![Some(Cost::default()); fleet.workers],
             overlaps,
-            bytes_per_token: r.prompt.len() as f64 / r.prompt_tokens.max(1) as f64,
+            bytes_per_token: r.prompt_bytes as f64 / r.prompt_tokens.max(1) as f64,
             prefill_tokens_per_ms: timing.prefill_tokens_per_ms,
             ..Decision::default()
         };

@@ -371,6 +371,17 @@ struct Oracle {
     block_tokens: u64,
 }
 
+impl Oracle {
+    /// `r` is picked: its uses of its blocks are no longer to come.
+    fn picked(&mut self, r: &Prepared) {
+        for b in kvmesh_sim::engine::block_chain(&r.tokens, self.block_tokens) {
+            if let Some(n) = self.remaining_uses.get_mut(&b) {
+                *n = n.saturating_sub(1);
+            }
+        }
+    }
+}
+
 impl Policy for Oracle {
     fn workload(&mut self, requests: &[Prepared], block_tokens: u64) {
         self.block_tokens = block_tokens;
@@ -382,11 +393,7 @@ impl Policy for Oracle {
     }
 
     fn pick(&mut self, r: &Prepared, view: &View<'_>) -> usize {
-        for b in kvmesh_sim::engine::block_chain(&r.tokens, self.block_tokens) {
-            if let Some(n) = self.remaining_uses.get_mut(&b) {
-                *n = n.saturating_sub(1);
-            }
-        }
+        self.picked(r);
         let block_ms = view.block_compute_ms();
         let mut best: Option<(usize, f64, u64)> = None;
         for w in 0..view.workers() {
@@ -608,13 +615,8 @@ mod tests {
         let mut o = Oracle::default();
         o.workload(&[b.clone(), c.clone(), x.clone(), b_again], 16);
         // b and c were picked before x.
-        for r in [&b, &c] {
-            for blk in kvmesh_sim::engine::block_chain(&r.tokens, 16) {
-                if let Some(n) = o.remaining_uses.get_mut(&blk) {
-                    *n -= 1;
-                }
-            }
-        }
+        o.picked(&b);
+        o.picked(&c);
         assert_eq!(o.pick(&x, &world.view(10_000.0)), 1);
     }
 

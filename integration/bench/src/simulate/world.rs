@@ -46,11 +46,12 @@ pub(crate) struct Prepared {
     pub(crate) block_bytes: u32,
     /// The parts of the canonical stream, for the insight figures.
     pub(crate) sections: Vec<kvmesh_core::PromptSection>,
-    /// The engine's view: its templated prompt, and its tokens.
-    pub(crate) prompt: Vec<u8>,
+    /// The engine's view: its templated prompt's length in bytes, and its
+    /// tokens.
+    pub(crate) prompt_bytes: u64,
     pub(crate) tokens: Arc<[u32]>,
-    /// Where each 16 tokens of `tokens` end in `prompt`, in bytes (engine
-    /// blocks are a multiple of 16 tokens).
+    /// Where each 16 tokens of `tokens` end in the templated prompt, in
+    /// bytes (engine blocks are a multiple of 16 tokens).
     pub(crate) block_ends: Vec<u64>,
     pub(crate) prompt_tokens: u64,
     pub(crate) output_tokens: u32,
@@ -116,7 +117,7 @@ pub(crate) fn prepare(
         block_bytes: u32::try_from(config.block_bytes).unwrap_or(u32::MAX),
         sections: understood.sections.iter().map(section).collect(),
         prompt_tokens: tokens.len() as u64,
-        prompt: call.prompt,
+        prompt_bytes: call.prompt.len() as u64,
         tokens: tokens.into(),
         block_ends,
         output_tokens: r.output_tokens,

@@ -397,13 +397,13 @@ async fn serve(app: App, api: Api, headers: HeaderMap, body: Bytes) -> Response 
 /// Waits for the prefill lane, looks the prompt up when its prefill starts,
 /// and caches its blocks chunk by chunk as they are computed. The request
 /// then decodes over its prompt's KV.
-async fn prefill(app: &App, prompt: &[u8]) -> Running {
+async fn prefill(app: &App, prompt: &[u8]) -> Hold {
     let tokens = app.tokenizer().encode(prompt);
     app.engine().enqueue();
     let lane = app.prefill_lane.lock().await;
     // Admitted once its blocks fit beside the running requests' (the lane
     // waits with it: first come, first served).
-    let mut prefill = loop {
+    let running = loop {
         let freed = app.freed.notified();
         let admitted = {
             let mut engine = app.engine();
@@ -418,35 +418,65 @@ async fn prefill(app: &App, prompt: &[u8]) -> Running {
             None => freed.await,
         }
     };
+    let served = running.served;
+    let mut hold = Hold {
+        app: app.clone(),
+        running: Some(running),
+        served,
+        attended: 0,
+    };
     let timing = app.timing();
-    let uncached = prefill.served.uncached_tokens();
+    let uncached = served.uncached_tokens();
     tokio::time::sleep(timing.prefill(0)).await;
     let mut computed = 0;
     while computed < uncached {
         let chunk = PREFILL_CHUNK_TOKENS.min(uncached - computed);
         tokio::time::sleep(timing.prefill(chunk).saturating_sub(timing.prefill(0))).await;
         computed += chunk;
-        app.engine().cache_computed(&mut prefill, computed);
+        if let Some(running) = hold.running.as_mut() {
+            app.engine().cache_computed(running, computed);
+        }
     }
     drop(lane);
-    app.engine().attend(prefill.served.prompt_tokens);
-    prefill
+    hold.attend(served.prompt_tokens);
+    hold
 }
 
-/// One decode step, as long as the running batch's KV makes it; the
-/// request's own context grows by the token it generates.
-async fn decode_step(app: &App) {
-    let attended = app.engine().attended_kv_tokens();
-    tokio::time::sleep(app.timing().decode_step(attended)).await;
-    app.engine().attend(1);
+/// A request's hold on its engine from its admission: its blocks, and the
+/// KV its decode steps attend. Released when it is dropped, at the request's
+/// end or when its handler is (a client that hung up before the reply), so
+/// no block outlives its request and the queue's head is told there may be
+/// room now.
+struct Hold {
+    app: App,
+    running: Option<Running>,
+    served: Served,
+    /// KV tokens it added to what the decode steps attend.
+    attended: u64,
 }
 
-/// The request is done: it held its prompt and its generated tokens. Its
-/// blocks are released, and a request waiting for room may be admitted.
-fn finish(app: &App, running: Running, generated: u32) {
-    let attended = running.served.prompt_tokens + u64::from(generated);
-    app.engine().finish(running, attended);
-    app.freed.notify_waiters();
+impl Hold {
+    fn attend(&mut self, tokens: u64) {
+        self.app.engine().attend(tokens);
+        self.attended += tokens;
+    }
+
+    /// One decode step, as long as the running batch's KV makes it; the
+    /// request's own context grows by the token it generates.
+    async fn decode_step(&mut self) {
+        let attended = self.app.engine().attended_kv_tokens();
+        tokio::time::sleep(self.app.timing().decode_step(attended)).await;
+        self.attend(1);
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if let Some(running) = self.running.take() {
+            self.app.engine().finish(running, self.attended);
+            self.app.freed.notify_waiters();
+        }
+    }
 }
 
 fn reply_text(app: &App, served: &Served) -> String {
@@ -470,20 +500,20 @@ async fn reply(app: &App, call: Call) -> Response {
         return response;
     }
     if !call.stream {
-        let running = prefill(app, &call.prompt).await;
-        let served = running.served;
+        let mut hold = prefill(app, &call.prompt).await;
+        let served = hold.served;
         for _ in 0..call.output_tokens {
-            decode_step(app).await;
+            hold.decode_step().await;
         }
-        finish(app, running, call.output_tokens);
+        drop(hold);
         let text = reply_text(app, &served);
         let reply = Reply { call, served, text };
         return axum::Json(reply.json()).into_response();
     }
     let app = app.clone();
     let events = async_stream(move |tx| async move {
-        let running = prefill(&app, &call.prompt).await;
-        let served = running.served;
+        let mut hold = prefill(&app, &call.prompt).await;
+        let served = hold.served;
         let text = reply_text(&app, &served);
         let reply = Reply { call, served, text };
         for event in reply.sse_start() {
@@ -491,14 +521,14 @@ async fn reply(app: &App, call: Call) -> Response {
         }
         let words: Vec<&str> = reply.text.split_inclusive(' ').collect();
         for i in 0..reply.call.output_tokens as usize {
-            decode_step(&app).await;
+            hold.decode_step().await;
             let word = words.get(i).copied().unwrap_or("");
             let _ = tx.send(Bytes::from(reply.sse_token(word))).await;
         }
         for event in reply.sse_end() {
             let _ = tx.send(Bytes::from(event)).await;
         }
-        finish(&app, running, reply.call.output_tokens);
+        drop(hold);
     });
     sse_response(events)
 }
@@ -510,25 +540,24 @@ async fn reply_scripted(app: &App, call: Call, script: Script) -> Response {
         return response;
     }
     if !call.stream {
-        let running = prefill(app, &call.prompt).await;
-        let reply = app.scripted(call, running.served, script);
-        let output_tokens = reply.output_tokens();
-        for _ in 0..output_tokens {
-            decode_step(app).await;
+        let mut hold = prefill(app, &call.prompt).await;
+        let reply = app.scripted(call, hold.served, script);
+        for _ in 0..reply.output_tokens() {
+            hold.decode_step().await;
         }
-        finish(app, running, output_tokens);
+        drop(hold);
         return axum::Json(reply.json()).into_response();
     }
     let app = app.clone();
     let events = async_stream(move |tx| async move {
-        let running = prefill(&app, &call.prompt).await;
-        let reply = app.scripted(call, running.served, script);
+        let mut hold = prefill(&app, &call.prompt).await;
+        let reply = app.scripted(call, hold.served, script);
         let events = reply.sse();
         for event in events.start {
             let _ = tx.send(Bytes::from(event)).await;
         }
         for step in events.steps {
-            decode_step(&app).await;
+            hold.decode_step().await;
             for event in step {
                 let _ = tx.send(Bytes::from(event)).await;
             }
@@ -536,8 +565,7 @@ async fn reply_scripted(app: &App, call: Call, script: Script) -> Response {
         for event in events.end {
             let _ = tx.send(Bytes::from(event)).await;
         }
-        let output_tokens = reply.output_tokens();
-        finish(&app, running, output_tokens);
+        drop(hold);
     });
     sse_response(events)
 }

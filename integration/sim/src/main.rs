@@ -399,7 +399,7 @@ async fn serve(app: App, api: Api, headers: HeaderMap, body: Bytes) -> Response 
 /// then decodes over its prompt's KV.
 async fn prefill(app: &App, prompt: &[u8]) -> Hold {
     let tokens = app.tokenizer().encode(prompt);
-    app.engine().enqueue();
+    let mut queued = Queued::new(app);
     let lane = app.prefill_lane.lock().await;
     // Admitted once its blocks fit beside the running requests' (the lane
     // waits with it: first come, first served).
@@ -409,7 +409,7 @@ async fn prefill(app: &App, prompt: &[u8]) -> Hold {
             let mut engine = app.engine();
             let admitted = engine.try_begin_prefill(&tokens);
             if admitted.is_some() {
-                engine.dequeue();
+                queued.leave(&mut engine);
             }
             admitted
         };
@@ -440,6 +440,35 @@ async fn prefill(app: &App, prompt: &[u8]) -> Hold {
     drop(lane);
     hold.attend(served.prompt_tokens);
     hold
+}
+
+/// A request's place in the engine's queue (`vllm:num_requests_waiting`),
+/// left at its admission or when its handler is dropped before it.
+struct Queued {
+    app: Option<App>,
+}
+
+impl Queued {
+    fn new(app: &App) -> Self {
+        app.engine().enqueue();
+        Self { app: Some(app.clone()) }
+    }
+
+    /// Admitted: out of the queue, under the engine's lock the admission
+    /// holds.
+    fn leave(&mut self, engine: &mut Engine) {
+        if self.app.take().is_some() {
+            engine.dequeue();
+        }
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        if let Some(app) = self.app.take() {
+            app.engine().dequeue();
+        }
+    }
 }
 
 /// A request's hold on its engine from its admission: its blocks, and the

@@ -1,7 +1,8 @@
-//! A request whose client hangs up before the reply gives its KV blocks
-//! back: the engine holds a running request's blocks, and a handler dropped
-//! mid-decode must release them, or the engine's free room shrinks for good
-//! and the prompts behind it wait forever.
+//! A request whose client hangs up before the reply gives back what it
+//! took: its KV blocks (the engine holds a running request's blocks, and a
+//! handler dropped mid-request must release them, or the engine's free room
+//! shrinks for good and the prompts behind it wait forever), and its place
+//! in the queue the engine reports.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test helpers fail loudly by design
 
 mod common;
@@ -59,4 +60,41 @@ fn a_client_that_hangs_up_mid_decode_releases_its_blocks() {
         usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0,
         "{usage}"
     );
+}
+
+#[test]
+fn a_client_that_hangs_up_while_queued_leaves_the_queue() {
+    let sim = Sim::start(&["--time-scale", "1"], &[]);
+    // A long prompt nobody sent before: its prefill holds the lane a while.
+    let long = "each worker keeps its own prefix cache of the prompts it has seen. ".repeat(600);
+    let call = |text: &str| json!({"model": "sim", "messages": [{"role": "user", "content": text}], "max_tokens": 2});
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| sim.post("/v1/chat/completions", &call(&long)));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while gauge(&sim.get("/metrics"), "vllm:num_requests_running") != 1.0 {
+            assert!(Instant::now() < deadline, "the long call never started");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Another call queues behind it, then its client hangs up.
+        sim.post_and_hang_up("/v1/chat/completions", &call("a short question"), || {
+            gauge(&sim.get("/metrics"), "vllm:num_requests_waiting") == 1.0
+        });
+        assert_eq!(first.join().unwrap().0, 200);
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let m = sim.get("/metrics");
+        let (waiting, running) = (
+            gauge(&m, "vllm:num_requests_waiting"),
+            gauge(&m, "vllm:num_requests_running"),
+        );
+        if waiting == 0.0 && running == 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still counted after the hang-up: {waiting} waiting, {running} running"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }

@@ -29,14 +29,15 @@ pub(crate) trait Policy {
     /// as KV events with medium CPU would tell kvmesh's sidecar that a tier
     /// exists). Only kvmesh's index listens; the peers' ports have no tier.
     fn host_tier(&mut self, _tokens: u64) {}
-    /// The whole workload, before the first pick: only `kvmesh_oracle`,
-    /// which knows the future, reads it.
+    /// The whole workload, before the first pick: only `greedy_oracle`,
+    /// which knows the future's block uses, reads it.
     fn workload(&mut self, _requests: &[Prepared], _block_tokens: u64) {}
 }
 
-pub(crate) const ALL: [&str; 17] = [
+pub(crate) const ALL: [&str; 18] = [
     "kvmesh",
-    "kvmesh_oracle",
+    super::oracle::NAME,
+    "greedy_oracle",
     "kvmesh_pick_time_cache",
     "kvmesh_no_retention",
     "dynamo",
@@ -89,7 +90,7 @@ pub(crate) fn make(
         }
     }
     Some(match name {
-        "kvmesh_oracle" => Box::new(Oracle::default()),
+        "greedy_oracle" => Box::new(GreedyOracle::default()),
         "round_robin" => Box::new(RoundRobin(0)),
         "random" => Box::new(Random(seed | 1)),
         "least_loaded" => Box::new(LeastLoaded),
@@ -184,8 +185,18 @@ fn argmax_random_ties(scores: &[f64], rng: &mut Rng) -> usize {
     argmin_random_ties(&negated, rng)
 }
 
+/// kvmesh as `kvmesh` runs: its default configuration, its own index.
+pub(crate) fn kvmesh(workers: usize, capacity_tokens: u64, prefill_rate: f64) -> Kvmesh {
+    let config = RouterConfig {
+        default_prefill_tokens_per_ms: prefill_rate,
+        ..RouterConfig::default()
+    };
+    Kvmesh::new(workers, capacity_tokens, config, Overlaps::Index)
+}
+
 /// kvmesh's own core, driven exactly as the sidecar drives it: Picks with
 /// the filter's block hashes, Outcomes with the engine's usage.
+#[derive(Debug, Clone)]
 pub(crate) struct Kvmesh {
     router: Router,
     picks: HashMap<usize, u64>,
@@ -221,6 +232,13 @@ impl Kvmesh {
             picks: HashMap::new(),
             overlaps,
         }
+    }
+
+    /// `r` placed on worker `w` by a choice made outside kvmesh (the
+    /// oracle's), recorded as kvmesh records its own picks.
+    pub(crate) fn place_on(&mut self, r: &Prepared, now: f64, w: usize) {
+        let d = self.router.place_on(r.pick_input(now as u64), kvmesh_core::WorkerId(w));
+        self.picks.insert(r.index, d.pick_id);
     }
 }
 
@@ -350,10 +368,8 @@ fn bytes_hash(bytes: &[u8]) -> u64 {
     })
 }
 
-/// Rendezvous (highest random weight) hashing of the session id; requests
-/// without a session go round robin.
-/// kvmesh's objective, with every term from the world instead of an
-/// estimate: a request's time to its first token plus the recomputation
+/// `greedy_oracle`: kvmesh's objective, with every term from the world
+/// instead of an estimate, one call at a time: a request's time to its first token plus the recomputation
 /// it causes others. For each worker, the worker is replayed forward from
 /// now with the request added (its queue, admission when the blocks fit,
 /// the engine's real evictions while it waits, the true uncached tokens at
@@ -363,15 +379,17 @@ fn bytes_hash(bytes: &[u8]) -> u64 {
 /// most cached tokens; then the lowest index. It knows the present exactly
 /// and the future's block uses, not the future's arrival times or where
 /// later calls will go, so it is a far better informed kvmesh, not a bound
-/// on a whole run.
+/// on a whole run: it loses to kvmesh where moving a session to the worker
+/// that is briefly faster costs later calls (`kvmesh_oracle` plays each
+/// choice to the end instead).
 #[derive(Default)]
-struct Oracle {
+struct GreedyOracle {
     /// Per engine block, the calls not yet picked that use it.
     remaining_uses: HashMap<[u8; 32], u32>,
     block_tokens: u64,
 }
 
-impl Oracle {
+impl GreedyOracle {
     /// `r` is picked: its uses of its blocks are no longer to come.
     fn picked(&mut self, r: &Prepared) {
         for b in kvmesh_sim::engine::block_chain(&r.tokens, self.block_tokens) {
@@ -382,7 +400,7 @@ impl Oracle {
     }
 }
 
-impl Policy for Oracle {
+impl Policy for GreedyOracle {
     fn workload(&mut self, requests: &[Prepared], block_tokens: u64) {
         self.block_tokens = block_tokens;
         for r in requests {
@@ -415,6 +433,8 @@ impl Policy for Oracle {
     }
 }
 
+/// Rendezvous (highest random weight) hashing of the session id; requests
+/// without a session go round robin.
 struct SessionSticky(usize);
 
 impl Policy for SessionSticky {
@@ -590,7 +610,7 @@ mod tests {
         world.serve(0, &first, 0.0);
         let next = request(1, "a", &(doc.clone() + " one more turn"), 1);
         let oracle = || {
-            let mut o = Oracle::default();
+            let mut o = GreedyOracle::default();
             o.workload(&[first.clone(), next.clone()], 16);
             o
         };
@@ -612,7 +632,7 @@ mod tests {
         let x = request(2, "x", &text(4, 8), 1);
         let b_again = request(3, "b", &(text(2, 8) + " next"), 1);
         assert!(world.view(10_000.0).true_cached_tokens(0, &b.tokens) > 2_000);
-        let mut o = Oracle::default();
+        let mut o = GreedyOracle::default();
         o.workload(&[b.clone(), c.clone(), x.clone(), b_again], 16);
         // b and c were picked before x.
         o.picked(&b);

@@ -262,7 +262,7 @@ impl View<'_> {
     }
 
     /// `r`'s fate on worker `w` if it arrived there now, as far as it is
-    /// known now (`WorkerSim::replay_forward`): `kvmesh_oracle`'s view.
+    /// known now (`WorkerSim::replay_forward`): `greedy_oracle`'s view.
     pub(crate) fn replay_forward(&self, w: usize, r: &Prepared) -> Option<(Served, Vec<[u8; 32]>)> {
         self.workers[w].replay_forward(&self.timing, r, self.now)
     }
@@ -400,7 +400,7 @@ pub(crate) enum Event {
 /// order: `admit` a request at its arrival, `advance` to the next event
 /// (`next_event_ms`: a prefill starting or a chunk done, a request
 /// finishing or needing a block for its output).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct World {
     pub(crate) workers: Vec<WorkerSim>,
     timing: TimingModel,

@@ -126,7 +126,7 @@ impl WorkerLoad {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Worker {
     pub(super) address: String,
     pub(super) state: WorkerState,

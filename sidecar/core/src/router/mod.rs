@@ -223,7 +223,7 @@ impl RouterConfig {
 }
 
 /// The routing state of one GPU cluster.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Router {
     config: RouterConfig,
     workers: Vec<Worker>,
@@ -253,7 +253,7 @@ struct Lineage<'a> {
 
 /// Buffers a Pick fills and empties again, kept so that a Pick allocates
 /// only what its `Decision` carries out.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct PickScratch {
     host_overlaps: Vec<usize>,
     candidates: Vec<Candidate>,
@@ -299,7 +299,16 @@ impl Router {
     /// Chooses the workers for one request, records it as placed on the
     /// best, and returns the record of the decision.
     pub fn pick(&mut self, input: PickInput<'_>) -> Decision {
-        self.pick_from(input, None)
+        self.pick_from(input, None, None)
+    }
+
+    /// `pick`, with the request placed on `worker` whatever the ranking
+    /// says (when `worker` can take it): a choice made outside the router,
+    /// as a simulator's oracle makes when it tries each worker. Everything
+    /// else is `pick`'s, so placing a request where `pick` would have put
+    /// it leaves the router exactly as `pick` does.
+    pub fn place_on(&mut self, input: PickInput<'_>, worker: WorkerId) -> Decision {
+        self.pick_from(input, None, Some(worker))
     }
 
     /// `pick` with each worker's overlap (leading full blocks it holds)
@@ -310,16 +319,21 @@ impl Router {
     /// the index's learning from the placement included, is `pick`'s.
     pub fn pick_with_overlaps(&mut self, input: PickInput<'_>, overlaps: &[(WorkerId, usize)]) -> Decision {
         let tiered: Vec<(WorkerId, usize, usize)> = overlaps.iter().map(|&(w, blocks)| (w, blocks, 0)).collect();
-        self.pick_from(input, Some(&tiered))
+        self.pick_from(input, Some(&tiered), None)
     }
 
     /// `pick_with_overlaps` with each worker's leading blocks on either
     /// tier, and how many of those it holds in host memory only.
     pub fn pick_with_tier_overlaps(&mut self, input: PickInput<'_>, overlaps: &[(WorkerId, usize, usize)]) -> Decision {
-        self.pick_from(input, Some(overlaps))
+        self.pick_from(input, Some(overlaps), None)
     }
 
-    fn pick_from(&mut self, input: PickInput<'_>, known_overlaps: Option<&[(WorkerId, usize, usize)]>) -> Decision {
+    fn pick_from(
+        &mut self,
+        input: PickInput<'_>,
+        known_overlaps: Option<&[(WorkerId, usize, usize)]>,
+        placed_on: Option<WorkerId>,
+    ) -> Decision {
         let pick_id = self.next_pick_id;
         self.next_pick_id += 1;
         let key = input.routing_key();
@@ -446,6 +460,9 @@ impl Router {
         };
         let ranked = self.config.ranked_destinations.max(1);
         let ranking = cost::rank(&mut candidates, self.config.tie_tolerance, ranked);
+        if let Some(at) = placed_on.and_then(|w| candidates.iter().position(|c| c.id == w)) {
+            candidates[..=at].rotate_right(1);
+        }
         let chosen = candidates.first().copied();
         decision.ranked = candidates.iter().take(ranked).map(|c| c.id).collect();
         let chosen_eviction = chosen.and_then(|c| evictions.get(c.id.0).copied().flatten());

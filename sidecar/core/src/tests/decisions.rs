@@ -560,3 +560,33 @@ fn given_overlaps_replace_the_index() {
     assert_eq!(next.overlaps[believed.0], 0);
     assert_eq!((next.reason, next.predicted_cached_blocks), (Reason::PrefixMatch, 40));
 }
+
+/// `place_on` where `pick` would have put the request leaves the router
+/// exactly as `pick` leaves it (the simulator's oracle relies on it to
+/// replay kvmesh's own choice); elsewhere, the request and its session go
+/// where they were placed.
+#[test]
+fn placing_a_request_on_a_worker_records_it_as_a_pick_there() {
+    let mut r = router(3);
+    let first = pick(&mut r, &blocks(1, 40), "a");
+    done(&mut r, &first);
+    let hashes = blocks(1, 44);
+    let next = input(&hashes, "a");
+    let mut placed = r.clone();
+    let d = r.pick(next);
+    let p = placed.place_on(next, d.ranked[0]);
+    assert_eq!(format!("{d:?}"), format!("{p:?}"));
+    assert_eq!(format!("{r:?}"), format!("{placed:?}"));
+
+    let elsewhere = WorkerId((d.ranked[0].0 + 1) % 3);
+    let mut moved = r.clone();
+    let m = moved.place_on(input(&blocks(1, 48), "a"), elsewhere);
+    assert_eq!(m.ranked[0], elsewhere);
+    done(&mut moved, &m);
+    let after = pick(&mut moved, &blocks(1, 52), "a");
+    assert_eq!(
+        after.ranked[0], elsewhere,
+        "the session's home and blocks moved with it"
+    );
+    assert_eq!(after.predicted_cached_blocks, 48);
+}

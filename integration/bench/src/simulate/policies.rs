@@ -536,7 +536,15 @@ mod tests {
             "dynamo_agents@4",
             "dynamo_soft@0.5",
         ]) {
-            assert!(make(name, 4, 100_000, 1, 20.0).is_some(), "{name}");
+            let fleet = crate::simulate::Fleet {
+                workers: 4,
+                capacity_tokens: 100_000,
+                host_tier_blocks: 0,
+                block_tokens: 16,
+                jitter: 0.0,
+            };
+            let made = crate::simulate::oracle::Picker::make(name, fleet, 1, TimingModel::default());
+            assert!(made.is_some(), "{name}");
         }
         for name in [
             "dynamo_agents@",

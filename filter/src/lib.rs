@@ -24,10 +24,10 @@ use std::time::{Duration, SystemTime};
 
 use kvmesh_proto::{method, v1};
 use kvmesh_request::{
-    Api, ChunkedRequest, DESTINATION_HEADER, FORGED_DESTINATION_HEADER, FilterConfig, NotUnderstood, Section,
-    Understood, UsageReader,
+    Api, ChunkedRequest, DESTINATION_HEADER, FORGED_DESTINATION_HEADER, FilterConfig, NotUnderstood, Understood,
+    UsageReader,
 };
-use kvmesh_vocab::limits::{MAX_MESSAGE_BYTES, MAX_PATH_BYTES, clip};
+use kvmesh_vocab::limits::MAX_MESSAGE_BYTES;
 use log::{debug, info, warn};
 use prost::Message;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -186,12 +186,10 @@ impl RootContext for Root {
             api: None,
             body: None,
             expected_len: None,
-            path: String::new(),
             started: None,
-            asked: None,
+            asked: false,
             pick: Rc::new(PickCell::default()),
             first_byte: None,
-            status: 0,
             usage: None,
         }))
     }
@@ -212,15 +210,6 @@ enum State {
     AwaitingPick,
 }
 
-/// What the outcome report repeats from the Pick.
-#[derive(Debug)]
-struct Asked {
-    session_id: String,
-    tenant: String,
-    model: String,
-    api: Api,
-}
-
 struct RequestFilter {
     context_id: u32,
     shared: Rc<Shared>,
@@ -230,14 +219,12 @@ struct RequestFilter {
     body: Option<ChunkedRequest>,
     /// The body length announced (`content-length`, capped at the parse cap).
     expected_len: Option<usize>,
-    path: String,
     started: Option<SystemTime>,
-    /// The Pick asked for this request, kept to report its outcome.
-    asked: Option<Asked>,
+    /// A Pick was asked for this request: its outcome is reported, once.
+    asked: bool,
     /// The sidecar's answer, written by whichever context receives it.
     pick: Rc<PickCell>,
     first_byte: Option<SystemTime>,
-    status: u32,
     /// Reads `usage` from a routed request's response.
     usage: Option<UsageReader>,
 }
@@ -293,16 +280,8 @@ impl RequestFilter {
     }
 
     fn pick_request(&self, understood: Understood) -> v1::PickRequest {
-        fn section_to_wire(section: &Section) -> v1::PromptSection {
-            v1::PromptSection {
-                kind: v1::SectionKind::from(section.kind).into(),
-                index: section.index,
-                start_byte: section.start,
-                digest: section.digest,
-            }
-        }
         let Understood {
-            api,
+            api: _,
             model,
             identity,
             lane,
@@ -323,19 +302,15 @@ impl RequestFilter {
             agent_id: identity.agent_id,
             tenant: identity.tenant,
             model,
-            path: clip(&self.path, MAX_PATH_BYTES).to_owned(),
             expected_output_tokens: hints.expected_output_tokens,
-            stream: hints.stream,
             session_final: identity.session_final,
             priority: hints.priority,
-            latency_sensitivity: hints.latency_sensitivity,
             retention_horizon_s: hints.retention_horizon_s,
-            api: api.name().to_owned(),
             request_id: 0,
             harness: identity.harness.name().to_owned(),
             lane: lane.name().to_owned(),
             trace_id: identity.trace_id,
-            sections: sections.iter().map(section_to_wire).collect(),
+            sections: sections.iter().map(v1::PromptSection::from).collect(),
         }
     }
 
@@ -444,12 +419,7 @@ impl RequestFilter {
         }
         let timeout = Duration::from_millis(self.config().sidecar_timeout_ms);
         let sent_on_stream = self.send_on_pick_stream(&mut pick, timeout);
-        self.asked = Some(Asked {
-            session_id: std::mem::take(&mut pick.session_id),
-            tenant: std::mem::take(&mut pick.tenant),
-            model: std::mem::take(&mut pick.model),
-            api,
-        });
+        self.asked = true;
         timing::add(Phase::EncodeSend, sending);
         if sent_on_stream {
             self.metrics().inc(self.metrics().picks_on_stream);
@@ -592,28 +562,20 @@ impl RequestFilter {
     /// Aborted and failed requests report too (status 0 or the error).
     /// Fire and forget: nothing waits on the answer.
     fn report_outcome(&mut self) {
-        let (Some(pick_id), Some(asked)) = (self.pick.pick_id.get(), self.asked.take()) else {
+        let (Some(pick_id), true) = (self.pick.pick_id.get(), std::mem::take(&mut self.asked)) else {
             return;
         };
         let usage = self.usage.take().map(UsageReader::finish).unwrap_or_default();
         if usage.prompt_tokens.is_some() {
             self.metrics().inc(self.metrics().outcomes_with_usage);
         }
-        let now = self.get_current_time();
         let destination = host::property_text(vec!["upstream", "address"]).unwrap_or_default();
         let outcome = v1::Outcome {
             pick_id,
             destination,
-            session_id: asked.session_id,
-            tenant: asked.tenant,
-            model: asked.model,
-            status: self.status,
             prompt_tokens: usage.prompt_tokens,
             cached_tokens: usage.cached_tokens,
-            completion_tokens: usage.completion_tokens,
             ttfb_ms: self.first_byte.map_or(0, |t| self.millis_since(self.started, t)),
-            duration_ms: self.millis_since(self.started, now),
-            api: asked.api.name().to_owned(),
         };
         let message = outcome.encode_to_vec();
         let (token, root_id) = {
@@ -668,8 +630,7 @@ impl HttpContext for RequestFilter {
         self.strip_routing_headers();
         let method = host::request_header(":method").unwrap_or_default();
         // A path that is not UTF-8 names no inference API: it passes through.
-        self.path = host::request_header_text(":path").unwrap_or_default();
-        self.api = Api::from_path(&self.path);
+        self.api = Api::from_path(&host::request_header_text(":path").unwrap_or_default());
         if method != b"POST" || self.api.is_none() || end_of_stream || !self.is_json() {
             self.metrics().inc(self.metrics().passed_through);
             return Action::Continue;
@@ -739,9 +700,6 @@ impl HttpContext for RequestFilter {
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.first_byte = Some(self.get_current_time());
         timing::add(Phase::AfterResume, self.pick.resumed.get());
-        self.status = host::response_header(":status")
-            .and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok())
-            .unwrap_or(0);
         if self.pick.pick_id.get().is_some() {
             // A content type that is not UTF-8 is no JSON or SSE type.
             let content_type = host::response_header("content-type").map(|v| String::from_utf8(v).unwrap_or_default());

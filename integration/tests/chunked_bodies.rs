@@ -53,7 +53,6 @@ fn native_pick(body: &[u8], session: &str) -> anyhow::Result<(PickRequest, usize
         session_id: u.identity.session_id,
         tenant: u.identity.tenant,
         model: u.model,
-        api: "chat_completions".to_owned(),
         ..PickRequest::default()
     };
     Ok((pick, full))

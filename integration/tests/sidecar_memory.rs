@@ -116,7 +116,6 @@ async fn distinct_model_names_leave_memory_bounded() -> anyhow::Result<()> {
                 .report(Outcome {
                     pick_id: reply.pick_id,
                     destination: reply.destinations[0].clone(),
-                    status: 200,
                     prompt_tokens: Some(100),
                     ..Outcome::default()
                 })

@@ -1,7 +1,7 @@
 //! The one place where kvmesh's shared vocabulary (`kvmesh-vocab`) meets its
 //! wire form: every crate that sends or reads a Pick converts through these.
 
-use kvmesh_vocab::{Harness, Lane, SectionKind};
+use kvmesh_vocab::{Harness, Lane, PromptSection, SectionKind};
 
 use crate::v1;
 
@@ -24,6 +24,30 @@ impl From<v1::SectionKind> for SectionKind {
             v1::SectionKind::System => Self::System,
             v1::SectionKind::Message => Self::Message,
             v1::SectionKind::Other | v1::SectionKind::Unspecified => Self::Other,
+        }
+    }
+}
+
+impl From<&PromptSection> for v1::PromptSection {
+    fn from(section: &PromptSection) -> Self {
+        Self {
+            kind: v1::SectionKind::from(section.kind).into(),
+            index: section.index,
+            start_byte: section.start,
+            digest: section.digest,
+        }
+    }
+}
+
+impl From<&v1::PromptSection> for PromptSection {
+    /// A kind this reader does not know (a newer sender's) reads as `Other`
+    /// rather than refusing the request.
+    fn from(section: &v1::PromptSection) -> Self {
+        Self {
+            kind: section.section_kind(),
+            index: section.index,
+            start: section.start_byte,
+            digest: section.digest,
         }
     }
 }

@@ -7,8 +7,8 @@
 use kvmesh_core::{MAX_BYTES_PER_TOKEN, PickInput};
 use kvmesh_proto::v1;
 use kvmesh_vocab::limits::{
-    MAX_BLOCK_BYTES, MAX_BLOCKS, MAX_ID_BYTES, MAX_NAME_BYTES, MAX_PATH_BYTES, MAX_PROMPT_TOKENS,
-    MAX_RETENTION_HORIZON_S, MAX_SECTIONS, MIN_BLOCK_BYTES,
+    MAX_BLOCK_BYTES, MAX_BLOCKS, MAX_ID_BYTES, MAX_NAME_BYTES, MAX_PROMPT_TOKENS, MAX_RETENTION_HORIZON_S,
+    MAX_SECTIONS, MIN_BLOCK_BYTES,
 };
 
 /// The largest `prompt_bytes` a Pick may claim: a longer prompt is over
@@ -49,12 +49,10 @@ pub fn check_pick(req: &v1::PickRequest, input: &PickInput<'_>) -> Result<(), Vi
     ] {
         within(field, value.len(), MAX_ID_BYTES)?;
     }
-    within("api", req.api.len(), MAX_NAME_BYTES)?;
     within("harness", req.harness.len(), MAX_NAME_BYTES)?;
     within("lane", req.lane.len(), MAX_NAME_BYTES)?;
     // `trace_id` is not refused: anything but 32 hex digits is no trace id
     // (`wire::pick_input`), so it is never kept at any length.
-    within("path", req.path.len(), MAX_PATH_BYTES)?;
     within("block_hashes", req.block_hashes.len(), MAX_BLOCKS)?;
     within("sections", req.sections.len(), MAX_SECTIONS)?;
     // 0 is the proto's "the default size", which the core applies.
@@ -92,13 +90,7 @@ pub fn clamp_pick(input: &mut PickInput<'_>) {
 /// releases its pick); returns the fields cleared.
 pub fn clip_outcome(outcome: &mut v1::Outcome) -> Vec<&'static str> {
     let mut cleared = Vec::new();
-    for (field, value, max) in [
-        ("destination", &mut outcome.destination, MAX_ID_BYTES),
-        ("session_id", &mut outcome.session_id, MAX_ID_BYTES),
-        ("tenant", &mut outcome.tenant, MAX_ID_BYTES),
-        ("model", &mut outcome.model, MAX_ID_BYTES),
-        ("api", &mut outcome.api, MAX_NAME_BYTES),
-    ] {
+    for (field, value, max) in [("destination", &mut outcome.destination, MAX_ID_BYTES)] {
         if value.len() > max {
             *value = String::new();
             cleared.push(field);
@@ -219,15 +211,17 @@ mod tests {
 
     #[test]
     fn oversized_outcome_strings_are_cleared() {
-        let mut outcome = v1::Outcome {
+        let mut fine = v1::Outcome {
             destination: "10.0.0.1:8000".to_owned(),
-            model: "m".repeat(MAX_ID_BYTES + 1),
             ..v1::Outcome::default()
         };
-        assert_eq!(clip_outcome(&mut outcome), ["model"]);
-        assert_eq!(
-            (outcome.destination.as_str(), outcome.model.as_str()),
-            ("10.0.0.1:8000", "")
-        );
+        assert!(clip_outcome(&mut fine).is_empty());
+        assert_eq!(fine.destination, "10.0.0.1:8000");
+        let mut outcome = v1::Outcome {
+            destination: "d".repeat(MAX_ID_BYTES + 1),
+            ..v1::Outcome::default()
+        };
+        assert_eq!(clip_outcome(&mut outcome), ["destination"]);
+        assert_eq!(outcome.destination, "");
     }
 }

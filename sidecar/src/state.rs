@@ -175,7 +175,7 @@ impl Shared {
             return Answer::Rejected(violation);
         }
         bounds::clamp_pick(&mut input);
-        let sections: Vec<PromptSection> = req.sections.iter().map(wire::section_from_wire).collect();
+        let sections: Vec<PromptSection> = req.sections.iter().map(PromptSection::from).collect();
         let call = Call {
             input,
             harness: req.harness(),

@@ -4,7 +4,7 @@
 //! beyond what the proto itself says (0 block bytes is "the default size",
 //! which the core applies).
 
-use kvmesh_core::{Outcome, PickInput, PromptSection, Reason, TraceId};
+use kvmesh_core::{Outcome, PickInput, Reason, TraceId};
 use kvmesh_proto::v1;
 
 /// The Pick as the core reads it, decided at `now_ms`. A `trace_id` that is
@@ -27,17 +27,6 @@ pub fn pick_input(req: &v1::PickRequest, now_ms: u64) -> PickInput<'_> {
         retention_horizon_ms: req.retention_horizon_s.map(|s| u64::from(s) * 1000),
         truncated: req.truncated,
         now_ms,
-    }
-}
-
-/// One prompt section; a kind this sidecar does not know (a newer filter's)
-/// counts as `Other` rather than refusing the Pick.
-pub fn section_from_wire(section: &v1::PromptSection) -> PromptSection {
-    PromptSection {
-        kind: section.section_kind(),
-        index: section.index,
-        start: section.start_byte,
-        digest: section.digest,
     }
 }
 
@@ -66,6 +55,7 @@ pub fn reason_to_wire(reason: Reason) -> v1::PickReason {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvmesh_core::PromptSection;
 
     #[test]
     fn pick_fields_reach_the_core_unchanged() {
@@ -125,7 +115,7 @@ mod tests {
     #[test]
     fn unknown_section_kinds_are_other() {
         let section = |kind: i32| {
-            section_from_wire(&v1::PromptSection {
+            PromptSection::from(&v1::PromptSection {
                 kind,
                 ..v1::PromptSection::default()
             })

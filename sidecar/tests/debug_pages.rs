@@ -146,7 +146,6 @@ async fn the_report_has_a_retention_section_and_prices_it() {
     client
         .report(Outcome {
             pick_id: reply.pick_id,
-            status: 200,
             prompt_tokens: Some(1000),
             cached_tokens: Some(600),
             ..Outcome::default()

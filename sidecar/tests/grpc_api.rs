@@ -18,7 +18,6 @@ fn pick(hashes: &[u64], session: &str) -> PickRequest {
         block_hashes: hashes.to_vec(),
         session_id: session.to_owned(),
         block_bytes: 256,
-        path: "/v1/chat/completions".to_owned(),
         ..PickRequest::default()
     }
 }
@@ -58,7 +57,6 @@ async fn health_pick_and_report_over_grpc() {
         router
             .report(Outcome {
                 pick_id: id,
-                status: 200,
                 ..Outcome::default()
             })
             .await

@@ -168,7 +168,6 @@ async fn implausible_usage_leaves_every_counter_unchanged() {
             .report(Outcome {
                 pick_id: reply.pick_id,
                 destination: reply.destinations[0].clone(),
-                status: 200,
                 prompt_tokens,
                 cached_tokens,
                 ..Outcome::default()
@@ -190,7 +189,6 @@ async fn implausible_usage_leaves_every_counter_unchanged() {
         .report(Outcome {
             pick_id: reply.pick_id,
             destination: reply.destinations[0].clone(),
-            status: 200,
             prompt_tokens: Some(300),
             cached_tokens: Some(100),
             ..Outcome::default()

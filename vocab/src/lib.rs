@@ -5,6 +5,7 @@
 //!
 //! - [`SectionKind`]: which part of a prompt a section of the canonical
 //!   stream holds (where a session's prefix breaks);
+//! - [`PromptSection`]: one part of a request's canonical stream;
 //! - [`Harness`]: the agent harness that sent a request (a metric label);
 //! - [`Lane`]: which lane of its session a request is (main, side, compaction);
 //! - [`DEFAULT_BLOCK_BYTES`]: the filter's default prefix block size;
@@ -66,6 +67,21 @@ impl SectionKind {
             Self::Other => "other",
         }
     }
+}
+
+/// One part of a request's canonical stream: which part, where it starts,
+/// and a digest of its bytes, so that two calls of a session can tell which
+/// part changed without either of them keeping any prompt text. The filter
+/// cuts them, the wire carries them, the insight ledger reads them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptSection {
+    pub kind: SectionKind,
+    /// The element's position in `messages` / `input` (0 for the others).
+    pub index: u32,
+    /// Byte offset of the section in the stream.
+    pub start: u64,
+    /// XXH3 of the section's bytes in the stream, low 32 bits.
+    pub digest: u32,
 }
 
 /// The agent harness that sent a request, from the headers it is known to

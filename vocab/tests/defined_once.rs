@@ -1,6 +1,6 @@
 //! Each word of the shared vocabulary is defined once in the workspace: no
-//! crate spells its own `SectionKind` or `Harness` (or the harness names as
-//! a list of strings) beside `kvmesh-vocab`. The wire's `SectionKind`, which
+//! crate spells its own `SectionKind`, `PromptSection` or `Harness` (or the
+//! harness names as a list of strings) beside `kvmesh-vocab`. The wire's `SectionKind`, which
 //! prost generates from the proto under `proto/src/gen`, is the one other
 //! spelling, and it converts only in `proto/src/vocab.rs`.
 
@@ -45,13 +45,27 @@ fn occurrences(needle: &str) -> Vec<String> {
 
 #[test]
 fn section_kind_and_harness_are_defined_once() {
-    for needle in ["enum SectionKind", "enum Harness"] {
+    for needle in ["enum SectionKind", "enum Harness", "struct PromptSection"] {
         let found = occurrences(needle);
         assert!(
             found.len() == 1 && found[0].starts_with("vocab/src/lib.rs:"),
             "{needle} defined elsewhere too: {found:?}"
         );
     }
+}
+
+/// A prompt section is converted to and from the wire in one place: no
+/// crate builds the wire's section from its fields but `proto/src/vocab.rs`.
+#[test]
+fn prompt_sections_convert_to_the_wire_in_one_module() {
+    let found: Vec<String> = occurrences("start_byte:")
+        .into_iter()
+        .filter(|at| !at.starts_with("proto/src/vocab.rs"))
+        .collect();
+    assert!(
+        found.is_empty(),
+        "a section conversion outside proto/src/vocab.rs: {found:?}"
+    );
 }
 
 #[test]

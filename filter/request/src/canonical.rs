@@ -18,7 +18,7 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use kvmesh_vocab::SectionKind;
+use kvmesh_vocab::{PromptSection, SectionKind};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -425,26 +425,12 @@ struct Reuse {
     by_value: std::collections::HashMap<(usize, usize), usize>,
 }
 
-/// One part of the canonical stream: where it starts, and a digest of its
-/// bytes, so that two calls of a session can tell which part changed
-/// without either of them keeping any prompt text.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Section {
-    pub kind: SectionKind,
-    /// The element's position in `messages` / `input` (0 for the others).
-    pub index: u32,
-    /// Byte offset of the section in the stream.
-    pub start: u64,
-    /// XXH3 of the section's bytes in the stream, low 32 bits.
-    pub digest: u32,
-}
-
 /// The canonical stream of one request.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Canonical {
     pub stream: Vec<u8>,
     /// The parts of `stream`, in order.
-    pub sections: Vec<Section>,
+    pub sections: Vec<PromptSection>,
     /// Parts were left out because the body was cut at the cap.
     pub truncated: bool,
     /// The longest retention horizon the `cache_control` markers of the
@@ -801,7 +787,7 @@ pub(crate) fn canonical_stream_reusing(
         .sections
         .iter()
         .zip(ends)
-        .map(|(&(kind, index, start, digest), end)| Section {
+        .map(|(&(kind, index, start, digest), end)| PromptSection {
             kind,
             index,
             start: start as u64,

@@ -116,7 +116,6 @@ pub struct Identity {
 /// Scheduling hints of one request.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Hints {
-    pub stream: bool,
     /// `max_completion_tokens`, `max_output_tokens`, `max_tokens`, else
     /// Dynamo's `nvext.agent_hints.osl`.
     pub expected_output_tokens: Option<u32>,
@@ -129,8 +128,6 @@ pub struct Hints {
     /// whether the one used was clamped: the filter counts both.
     pub priority_dropped: u8,
     pub priority_clamped: bool,
-    /// Dynamo's `nvext.agent_hints.latency_sensitivity`.
-    pub latency_sensitivity: Option<f64>,
     /// The longest retention horizon the request declares, in seconds
     /// (Anthropic `cache_control` TTLs, OpenAI `prompt_cache_retention`),
     /// at most `MAX_RETENTION_HORIZON_S`.
@@ -285,7 +282,6 @@ pub fn hints(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterCon
         config.priority_field.as_ref(),
     );
     Hints {
-        stream: envelope.typed::<bool>("stream").ok().flatten().unwrap_or(false),
         expected_output_tokens: ["max_completion_tokens", "max_output_tokens", "max_tokens"]
             .iter()
             .find_map(|key| envelope.typed::<u64>(key).ok().flatten())
@@ -294,7 +290,6 @@ pub fn hints(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterCon
         priority: priority.value,
         priority_dropped: priority.dropped,
         priority_clamped: priority.clamped,
-        latency_sensitivity: agent_hints.get("latency_sensitivity").and_then(Value::as_f64),
         retention_horizon_s: None,
     }
 }

@@ -19,11 +19,12 @@ mod retention;
 mod scan;
 mod usage;
 
-pub use canonical::{Api, Canonical, CanonicalError, Envelope, Section, canonical_stream};
+pub use canonical::{Api, Canonical, CanonicalError, Envelope, canonical_stream};
 pub use chunked::ChunkedRequest;
 pub use config::{ConfigError, DESTINATION_HEADER, FORGED_DESTINATION_HEADER, FilterConfig, IdSource};
 pub use hashing::{BlockHash, BlockHashes, ChainHasher, block_hashes, salt};
 pub use identity::{Headers, Hints, Identity, bounded_id, detect_harness, hints, identify};
+use kvmesh_vocab::PromptSection;
 use kvmesh_vocab::limits::{MAX_ID_BYTES, MAX_SECTIONS};
 /// Shared with the sidecar and the simulator (defined in `kvmesh-vocab`).
 pub use kvmesh_vocab::{Harness, Lane, SectionKind};
@@ -44,7 +45,7 @@ pub struct Understood {
     pub hashes: BlockHashes,
     /// The parts of the canonical stream (tools, system, messages), for the
     /// sidecar's prefix-stability diagnostics.
-    pub sections: Vec<Section>,
+    pub sections: Vec<PromptSection>,
     /// The body was longer than the parse cap: routed on its first bytes.
     pub body_truncated: bool,
     /// With `priority_field` or `strip_preambles` configured: the one

@@ -120,7 +120,6 @@ struct Sent {
     sent_at: Instant,
     phase: Phase,
     blocks: u64,
-    session: String,
 }
 
 /// One answered Pick.
@@ -243,7 +242,6 @@ impl Driver {
             sent_at: Instant::now(),
             phase,
             blocks: request.block_hashes.len() as u64,
-            session: request.session_id.clone(),
         };
         if let Ok(mut pending) = self.pending.lock() {
             pending.insert(self.next_id, sent);
@@ -366,10 +364,6 @@ async fn drive(
                 let _ = outcome_tx.send(Outcome {
                     pick_id: reply.pick_id,
                     destination: reply.destinations.first().cloned().unwrap_or_default(),
-                    session_id: sent.session,
-                    tenant: "team-a".to_owned(),
-                    model: "agent-model".to_owned(),
-                    status: 200,
                     prompt_tokens: Some(prompt),
                     cached_tokens: Some(cached),
                     ..Outcome::default()

@@ -31,26 +31,15 @@ pub struct PickRequest {
     pub tenant: ::prost::alloc::string::String,
     #[prost(string, tag = "9")]
     pub model: ::prost::alloc::string::String,
-    /// Request path, e.g. "/v1/chat/completions".
-    #[prost(string, tag = "10")]
-    pub path: ::prost::alloc::string::String,
     /// Expected output tokens when the request says (max_tokens and friends).
     #[prost(uint32, optional, tag = "11")]
     pub expected_output_tokens: ::core::option::Option<u32>,
-    #[prost(bool, tag = "12")]
-    pub stream: bool,
     /// The session ends after this request (x-dynamo-session-final: true).
     #[prost(bool, tag = "13")]
     pub session_final: bool,
     /// Scheduling priority when the request gives one (higher is sooner).
     #[prost(int32, optional, tag = "14")]
     pub priority: ::core::option::Option<i32>,
-    /// Dynamo agent hint: how much this request's latency matters.
-    #[prost(double, optional, tag = "15")]
-    pub latency_sensitivity: ::core::option::Option<f64>,
-    /// "chat_completions", "completions", "responses" or "messages".
-    #[prost(string, tag = "16")]
-    pub api: ::prost::alloc::string::String,
     /// The body or the block list was cut at the filter's caps: the hashes
     /// cover only a prefix of the prompt.
     #[prost(bool, tag = "17")]
@@ -124,31 +113,14 @@ pub struct Outcome {
     /// The upstream that served the request ("ip:port"), empty if none.
     #[prost(string, tag = "2")]
     pub destination: ::prost::alloc::string::String,
-    #[prost(string, tag = "3")]
-    pub session_id: ::prost::alloc::string::String,
-    #[prost(string, tag = "4")]
-    pub tenant: ::prost::alloc::string::String,
-    #[prost(string, tag = "5")]
-    pub model: ::prost::alloc::string::String,
-    /// HTTP status from the upstream; 0 when the request was aborted or failed
-    /// before a response.
-    #[prost(uint32, tag = "6")]
-    pub status: u32,
     #[prost(uint64, optional, tag = "7")]
     pub prompt_tokens: ::core::option::Option<u64>,
     #[prost(uint64, optional, tag = "8")]
     pub cached_tokens: ::core::option::Option<u64>,
-    #[prost(uint64, optional, tag = "9")]
-    pub completion_tokens: ::core::option::Option<u64>,
     /// Milliseconds from the request reaching the filter to the first response
-    /// byte, and to the end of the response.
+    /// byte.
     #[prost(uint32, tag = "10")]
     pub ttfb_ms: u32,
-    #[prost(uint32, tag = "11")]
-    pub duration_ms: u32,
-    /// The API of the request, as in PickRequest.api.
-    #[prost(string, tag = "12")]
-    pub api: ::prost::alloc::string::String,
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct ReportReply {}

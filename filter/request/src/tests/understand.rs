@@ -211,11 +211,11 @@ fn every_api_has_a_canonical_stream() {
 }
 
 #[test]
-fn expected_output_and_stream_hints_are_read() {
+fn the_expected_output_hint_is_read() {
     let mut body = chat(1);
     body["max_tokens"] = json!(300);
     let got = understood(&body, &[]);
-    assert_eq!((got.hints.stream, got.hints.expected_output_tokens), (true, Some(300)));
+    assert_eq!(got.hints.expected_output_tokens, Some(300));
 }
 
 #[test]
@@ -242,10 +242,7 @@ fn priority_and_dynamo_agent_hints_are_read() {
     let got = understand(Api::ChatCompletions, &headers(&[]), body, false, &cfg)
         .unwrap()
         .hints;
-    assert_eq!(
-        (got.expected_output_tokens, got.priority, got.latency_sensitivity),
-        (Some(900), Some(3), Some(0.7))
-    );
+    assert_eq!((got.expected_output_tokens, got.priority), (Some(900), Some(3)));
     // The header wins over the hint, and max_tokens over osl.
     let body = br#"{"model":"m","messages":[],"max_tokens":50,"nvext":{"agent_hints":{"osl":900,"priority":3}}}"#;
     let got = understand(

@@ -115,22 +115,13 @@ pub(crate) fn prepare(
         last_block_partial: understood.hashes.last_partial,
         stream_bytes: understood.hashes.stream_bytes,
         block_bytes: u32::try_from(config.block_bytes).unwrap_or(u32::MAX),
-        sections: understood.sections.iter().map(section).collect(),
+        sections: understood.sections.clone(),
         prompt_tokens: tokens.len() as u64,
         prompt_bytes: call.prompt.len() as u64,
         tokens: tokens.into(),
         block_ends,
         output_tokens: r.output_tokens,
     })
-}
-
-fn section(s: &kvmesh_request::Section) -> kvmesh_core::PromptSection {
-    kvmesh_core::PromptSection {
-        kind: s.kind,
-        index: s.index,
-        start: s.start,
-        digest: s.digest,
-    }
 }
 
 /// A request waiting for its worker's prefill lane.

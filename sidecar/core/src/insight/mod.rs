@@ -49,7 +49,7 @@ pub use totals::{Figure, Figures, Totals};
 
 /// The agent harnesses kvmesh tells apart and the parts of a prompt: the
 /// workspace's one vocabulary (`kvmesh-vocab`).
-pub use kvmesh_vocab::{Harness, Lane, SectionKind};
+pub use kvmesh_vocab::{Harness, Lane, PromptSection, SectionKind};
 
 /// Label of requests that name no tenant.
 pub const NO_TENANT: &str = "none";
@@ -90,15 +90,6 @@ impl MoveReason {
             Self::Other => "other",
         }
     }
-}
-
-/// One part of a request's canonical stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PromptSection {
-    pub kind: SectionKind,
-    pub index: u32,
-    pub start: u64,
-    pub digest: u32,
 }
 
 /// Settings of the insight ledger.

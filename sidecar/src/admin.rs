@@ -262,7 +262,6 @@ async fn report(
 
 fn report_page(shared: &Shared, query: &ReportQuery) -> crate::report::AgentReport {
     shared.fresh_insights();
-    let now = now_ms();
     let window_ms = query.window_secs.unwrap_or(3600).saturating_mul(1000);
     let extra_kv_gb = query
         .extra_kv_gb
@@ -271,8 +270,8 @@ fn report_page(shared: &Shared, query: &ReportQuery) -> crate::report::AgentRepo
     // The evicted idle sessions are the last tick's: it asked the fleet.
     let fleet = crate::retention_report::FleetSnapshot::take(&shared.router());
     let tick = shared.insights().last_tick();
-    let (report, retention) =
-        crate::retention_report::build(&shared.insights(), &fleet, &tick.evicted, now, window_ms, extra_kv_gb);
+    let report = shared.ledger_report(window_ms);
+    let retention = crate::retention_report::sections(&report, &fleet, &tick.evicted, extra_kv_gb);
     crate::report::to_json(&report, retention)
 }
 

@@ -84,7 +84,7 @@ fn row(harness: &str, tenant: &str, t: &Totals) -> Row {
 }
 
 /// The report as the admin server serves it, with its retention section
-/// (`crate::retention_report::build`).
+/// (`crate::retention_report::sections`).
 pub(crate) fn to_json(report: &Report, retention_by_harness: Vec<HarnessRetention>) -> AgentReport {
     let rows: Vec<Row> = report
         .rows

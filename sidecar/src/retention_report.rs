@@ -50,7 +50,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use kvmesh_core::retention::{GAP_BUCKETS, GapHistogram, bucket_upper_ms};
-use kvmesh_core::{Harness, IdleSession, Insights, Report, Router, WorkerId};
+use kvmesh_core::{Harness, IdleSession, Report, Router, WorkerId};
 use serde::{Deserialize, Serialize};
 
 /// Bytes in the GB of `--extra-kv-gb`.
@@ -203,7 +203,7 @@ fn kept_by_harness(
 
 /// The section, per harness in [`Harness::ALL`] order: those with learned
 /// gaps, reported usage or lost KV. `evicted` is the ledger's
-/// [`Insights::evicted_idle_sessions`].
+/// [`kvmesh_core::Insights::evicted_idle_sessions`].
 pub(crate) fn sections(
     report: &Report,
     fleet: &FleetSnapshot,
@@ -268,23 +268,6 @@ pub(crate) fn sections(
             })
         })
         .collect()
-}
-
-/// The section as the admin server builds it: the ledger's window report
-/// and lost sessions, with the router's copy.
-/// `evicted` is [`Insights::evicted_idle_sessions`] or the last tick's
-/// copy of it ([`kvmesh_core::TickSnapshot::evicted`]).
-pub(crate) fn build(
-    insights: &Insights,
-    fleet: &FleetSnapshot,
-    evicted: &[IdleSession],
-    now_ms: u64,
-    window_ms: u64,
-    extra_kv_gb: f64,
-) -> (Report, Vec<HarnessRetention>) {
-    let report = insights.report(now_ms, window_ms);
-    let section = sections(&report, fleet, evicted, extra_kv_gb);
-    (report, section)
 }
 
 /// USD per million tokens, as `kvmesh-sidecar report` is given them.

@@ -62,6 +62,10 @@ pub(crate) struct Options {
     /// Only the first wave: no expiry wait, no second wave.
     #[arg(long)]
     one_wave: bool,
+    /// The pages of the fetch loop, fetched in turn: a subset tells which
+    /// page's work delays the Picks.
+    #[arg(long, value_delimiter = ',', default_values_t = PAGES.map(str::to_owned))]
+    pages: Vec<String>,
 }
 
 /// Blocks every session shares (system prompt and tools).
@@ -81,7 +85,7 @@ const IN_TIME: Duration = Duration::from_millis(50);
 const STALL: Duration = Duration::from_millis(5);
 /// The sidecar's session-expiry tick (`watcher::expire_sessions`).
 const EXPIRY_TICK_SECS: u64 = 10;
-/// The pages of the fetch loop, in turn.
+/// The pages of the fetch loop unless told, in turn.
 const PAGES: [&str; 5] = [
     "/debug/sessions",
     "/debug/workers",
@@ -424,12 +428,13 @@ async fn drive(
     let stop = stop_flag();
     let fetcher = {
         let (http, fetches, stop) = (http.clone(), fetches.clone(), stop.clone());
+        let pages = options.pages.clone();
         tokio::spawn(async move {
             let mut i = 0usize;
-            while !stop.load(Ordering::Relaxed) {
-                let page = i % PAGES.len();
+            while !stop.load(Ordering::Relaxed) && !pages.is_empty() {
+                let page = i % pages.len();
                 let started = Instant::now();
-                if let Ok(reply) = http.get(format!("http://{admin}{}", PAGES[page])).send().await {
+                if let Ok(reply) = http.get(format!("http://{admin}{}", pages[page])).send().await {
                     let _ = reply.bytes().await;
                 }
                 if let Ok(mut f) = fetches.lock() {
@@ -545,7 +550,7 @@ async fn drive(
     let fetches = fetches.lock().map(|f| f.clone()).unwrap_or_default();
     println!("| page (fetch loop) | fetches | p50 | max |");
     println!("|---|---|---|---|");
-    for (i, page) in PAGES.iter().enumerate() {
+    for (i, page) in options.pages.iter().enumerate() {
         let mut took: Vec<Duration> = fetches.iter().filter(|(p, _)| *p == i).map(|(_, d)| *d).collect();
         took.sort();
         println!(

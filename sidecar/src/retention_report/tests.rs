@@ -104,7 +104,8 @@ impl Run {
                 .then_with(|| a.session.cmp(&b.session))
         });
         assert_eq!(copied, evicted);
-        let (report, section) = build(&self.insights, &fleet, &evicted, now_ms, 3_600_000, extra_kv_gb);
+        let report = self.insights.report(now_ms, 3_600_000);
+        let section = sections(&report, &fleet, &evicted, extra_kv_gb);
         let json = serde_json::to_string(&crate::report::to_json(&report, section)).unwrap();
         serde_json::from_str(&json).unwrap()
     }

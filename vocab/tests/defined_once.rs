@@ -58,14 +58,8 @@ fn section_kind_and_harness_are_defined_once() {
 /// crate builds the wire's section from its fields but `proto/src/vocab.rs`.
 #[test]
 fn prompt_sections_convert_to_the_wire_in_one_module() {
-    let found: Vec<String> = occurrences("start_byte:")
-        .into_iter()
-        .filter(|at| !at.starts_with("proto/src/vocab.rs"))
-        .collect();
-    assert!(
-        found.is_empty(),
-        "a section conversion outside proto/src/vocab.rs: {found:?}"
-    );
+    let found = occurrences_outside_the_wire_module("start_byte:");
+    assert!(found.is_empty(), "a section conversion outside it: {found:?}");
 }
 
 #[test]
@@ -78,9 +72,15 @@ fn the_harness_names_are_listed_once() {
 
 #[test]
 fn section_kinds_convert_to_the_wire_in_one_module() {
-    let found: Vec<String> = occurrences("v1::SectionKind::Tools")
+    let found = occurrences_outside_the_wire_module("v1::SectionKind::Tools");
+    assert!(found.is_empty(), "a kind conversion outside it: {found:?}");
+}
+
+/// Where `needle` occurs outside `proto/src/vocab.rs`, the one module that
+/// converts the vocabulary to and from the wire.
+fn occurrences_outside_the_wire_module(needle: &str) -> Vec<String> {
+    occurrences(needle)
         .into_iter()
         .filter(|at| !at.starts_with("proto/src/vocab.rs"))
-        .collect();
-    assert!(found.is_empty(), "a conversion outside proto/src/vocab.rs: {found:?}");
+        .collect()
 }

@@ -39,7 +39,7 @@ fuzz_target!(|data: &[u8]| {
             // The sidecar's own conversions, so the fuzzer checks the
             // program that runs.
             let input = kvmesh_sidecar::wire::pick_input(&pick, now);
-            let sections: Vec<PromptSection> = pick.sections.iter().map(kvmesh_sidecar::wire::section_from_wire).collect();
+            let sections: Vec<PromptSection> = pick.sections.iter().map(PromptSection::from).collect();
             let call = Call {
                 input,
                 harness: pick.harness(),

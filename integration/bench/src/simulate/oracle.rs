@@ -59,7 +59,12 @@ impl Rollout {
                     })
                 })
                 .collect();
-            handles.into_iter().flat_map(|h| h.join().unwrap_or_default()).collect()
+            // A rollout that panicked is a bug to see, not a candidate to
+            // drop: without kvmesh's own, the guarantee would not hold.
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
         });
         costs.sort_by(|(a, ca), (b, cb)| {
             ca.0.cmp(&cb.0)

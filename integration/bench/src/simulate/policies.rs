@@ -187,10 +187,7 @@ fn argmax_random_ties(scores: &[f64], rng: &mut Rng) -> usize {
 
 /// kvmesh as `kvmesh` runs: its default configuration, its own index.
 pub(crate) fn kvmesh(workers: usize, capacity_tokens: u64, prefill_rate: f64) -> Kvmesh {
-    let config = RouterConfig {
-        default_prefill_tokens_per_ms: prefill_rate,
-        ..RouterConfig::default()
-    };
+    let config = at_engine_rate(RouterConfig::default(), prefill_rate);
     Kvmesh::new(workers, capacity_tokens, config, Overlaps::Index)
 }
 
@@ -290,16 +287,22 @@ impl Policy for Kvmesh {
     }
 }
 
+/// `base` with the simulated engines' prefill rate as the rate kvmesh
+/// assumes before its first outcome.
+fn at_engine_rate(base: RouterConfig, prefill_rate: f64) -> RouterConfig {
+    RouterConfig {
+        default_prefill_tokens_per_ms: prefill_rate,
+        ..base
+    }
+}
+
 /// kvmesh's router configuration for a run: the defaults (with the
 /// simulated engines' prefill rate as the rate before the first outcome),
 /// then `@name=value` overrides from the policy's name, for tuning sweeps
 /// (`kvmesh@recent_prefill_weight=0.1@session_weight=1024`). `None` for a
 /// name or value it does not know.
 fn kvmesh_config(base: RouterConfig, overrides: &str, prefill_rate: f64) -> Option<RouterConfig> {
-    let mut c = RouterConfig {
-        default_prefill_tokens_per_ms: prefill_rate,
-        ..base
-    };
+    let mut c = at_engine_rate(base, prefill_rate);
     for pair in overrides.split('@').filter(|p| !p.is_empty()) {
         let (name, value) = pair.split_once('=')?;
         if name == "retention" {
@@ -369,8 +372,8 @@ fn bytes_hash(bytes: &[u8]) -> u64 {
 }
 
 /// `greedy_oracle`: kvmesh's objective, with every term from the world
-/// instead of an estimate, one call at a time: a request's time to its first token plus the recomputation
-/// it causes others. For each worker, the worker is replayed forward from
+/// instead of an estimate, one call at a time: a request's time to its
+/// first token plus the recomputation it causes others. For each worker, the worker is replayed forward from
 /// now with the request added (its queue, admission when the blocks fit,
 /// the engine's real evictions while it waits, the true uncached tokens at
 /// its prefill's start) until its first token, and without it to the same

@@ -30,7 +30,7 @@ use hashbrown::HashTable;
 /// quarter more inserts, so an index filling up is rarely caught holding
 /// both tables (at two, the Pick bench's 10M entries were mid-drain: 40.7
 /// bytes per entry instead of 36.5, and every miss probed both tables).
-const MOVES_PER_INSERT: usize = 4;
+const MOVES_PER_INSERT: usize = 8;
 const BUCKETS_PER_INSERT: usize = 64;
 
 /// Table hash of a block hash: block hashes are already uniform, one

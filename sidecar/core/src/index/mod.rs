@@ -19,9 +19,11 @@
 //! the cost sees, and the copy matters only once the GPU one goes, which is
 //! when it moves to the host list.
 
+mod holder_sets;
 mod holders;
 
 use crate::WorkerId;
+use holder_sets::{HolderSets, MIN_HOLDERS, mark};
 use holders::HolderTable;
 
 const NIL: u32 = u32::MAX;
@@ -252,6 +254,10 @@ enum Touch {
 pub struct PrefixIndex {
     /// Node index of each block's first holder, keyed by the node's hash.
     first_holder: HolderTable,
+    /// Which workers hold each block held by many: a walk steps every
+    /// worker still matching at once while a block's holders are exactly
+    /// them.
+    holder_sets: HolderSets,
     nodes: Arena,
     /// Each worker's GPU list, and its host list (capacity 0: no host tier).
     workers: Vec<WorkerList>,
@@ -262,6 +268,9 @@ pub struct PrefixIndex {
     alive: Vec<Walker>,
     /// Scratch for `overlaps`: per worker, host-only blocks in its run.
     host_run: Vec<u32>,
+    /// Scratch for `overlaps`: per worker, its node of the block being
+    /// stepped (`NIL` outside a step).
+    holding: Vec<u32>,
     /// Scratch for `insert`: the request's node on the worker, per block.
     placed: Vec<u32>,
     /// The latest walk's matches, kept for the placement that follows it
@@ -283,6 +292,10 @@ pub struct PrefixIndex {
     /// Entries allowed in all, from the operator's byte budget: past it
     /// the fullest worker's oldest blocks go, whatever the caches hold.
     entry_budget: Option<usize>,
+    /// Per-worker steps the walks took (nodes read for one worker each), for
+    /// the tests of how a walk scales.
+    #[cfg(test)]
+    worker_steps: std::cell::Cell<u64>,
 }
 
 /// Heap bytes one entry costs at worst, for the byte budget: its node
@@ -304,12 +317,14 @@ impl PrefixIndex {
     pub fn new() -> Self {
         Self {
             first_holder: HolderTable::default(),
+            holder_sets: HolderSets::default(),
             nodes: Arena::new(),
             workers: Vec::new(),
             hosts: Vec::new(),
             last_match: Vec::new(),
             alive: Vec::new(),
             host_run: Vec::new(),
+            holding: Vec::new(),
             placed: Vec::new(),
             trail: Vec::new(),
             trail_worker: NIL,
@@ -319,6 +334,8 @@ impl PrefixIndex {
             trail_walk: 0,
             trail_live: false,
             entry_budget: None,
+            #[cfg(test)]
+            worker_steps: std::cell::Cell::new(0),
         }
     }
 
@@ -347,6 +364,7 @@ impl PrefixIndex {
         });
         self.last_match.push(NIL);
         self.host_run.push(0);
+        self.holding.push(NIL);
         self.trail_start.push(NIL);
         self.trail_walks.push(NIL);
         WorkerId(self.workers.len() - 1)
@@ -370,7 +388,7 @@ impl PrefixIndex {
     fn evict_over_budget(&mut self) -> usize {
         let Some(budget) = self.entry_budget else { return 0 };
         let mut evicted = 0;
-        while self.entries() > budget {
+        while self.budgeted() > budget {
             let (mut fullest, mut runner_up) = (None::<usize>, 0);
             for w in 0..self.workers.len() {
                 let len = self.held(w);
@@ -384,7 +402,7 @@ impl PrefixIndex {
             }
             let Some(w) = fullest else { break };
             let before = evicted;
-            while self.entries() > budget && (self.held(w) > runner_up || evicted == before) {
+            while self.budgeted() > budget && (self.held(w) > runner_up || evicted == before) {
                 // Host-only blocks first: a hit on them is worth less.
                 let oldest = match self.hosts[w].oldest {
                     NIL => self.workers[w].oldest,
@@ -401,6 +419,13 @@ impl PrefixIndex {
             }
         }
         evicted
+    }
+
+    /// What the byte budget counts: every entry, and every shared block's
+    /// holder set (20 bytes and its table slot, within an entry's
+    /// [`MAX_BYTES_PER_ENTRY`]).
+    fn budgeted(&self) -> usize {
+        self.entries() + self.holder_sets.len()
     }
 
     pub fn worker_count(&self) -> usize {
@@ -462,13 +487,14 @@ impl PrefixIndex {
 
     /// Bytes this index holds on the heap (arena, free list, hash map).
     pub fn memory_bytes(&self) -> usize {
-        let map = self.first_holder.allocation_size();
+        let map = self.first_holder.allocation_size() + self.holder_sets.memory_bytes();
         map + self.nodes.allocated_bytes()
             + (self.workers.capacity() + self.hosts.capacity()) * size_of::<WorkerList>()
             + self.alive.capacity() * size_of::<Walker>()
             + (self.last_match.capacity()
                 + self.placed.capacity()
                 + self.host_run.capacity()
+                + self.holding.capacity()
                 + self.trail_start.capacity()
                 + self.trail_walks.capacity()
                 + self.trail.capacity())
@@ -510,6 +536,7 @@ impl PrefixIndex {
         let mut alive = std::mem::take(&mut self.alive);
         alive.clear();
         // Block 0: every holder starts a run.
+        let mut signature = 0u64;
         let mut node = self.first_of(first_hash).unwrap_or(NIL);
         while node != NIL {
             let n = self.nodes[node as usize];
@@ -524,13 +551,15 @@ impl PrefixIndex {
             self.host_run[w as usize] = host;
             self.trail_start[w as usize] = node;
             self.trail_walks[w as usize] = walk;
+            signature = signature.wrapping_add(mark(w));
             node = n.next_holder;
         }
-        // Each further block: a worker continues if it holds it too, found
-        // through its successor link (kept from the node it matched last,
-        // so each step reads one node), else through one table probe
-        // shared by the workers whose link missed. A worker that stops
-        // writes its run's end; nothing else is written per step.
+        // Each further block: the workers still matching all continue when
+        // its holder set is exactly them (one probe for them all, the run
+        // of a prefix every worker holds); else each continues if it holds
+        // the block too, found through its successor link or the block's
+        // holder chain. A worker that stops writes its run's end; nothing
+        // else is written per step.
         let mut ended_at = hashes.len();
         for (i, &hash) in hashes.iter().enumerate().skip(1) {
             if alive.len() <= 1 {
@@ -545,9 +574,10 @@ impl PrefixIndex {
                 break;
             }
             if tiered {
+                // Host-only blocks are counted per worker: a node read each.
                 self.step_together::<true>(&mut alive, i, hash);
             } else {
-                self.step_together::<false>(&mut alive, i, hash);
+                self.step_by_set(&mut alive, &mut signature, i, hash);
             }
         }
         // Workers still matching at the end (several held every block).
@@ -575,12 +605,73 @@ impl PrefixIndex {
         }
     }
 
+    /// One block of the walk for the workers in `alive` (more than one,
+    /// whose marks sum to `signature`), without host tiers: nothing to do
+    /// when the block's holders are exactly them. Else few workers (fewer
+    /// than [`MIN_HOLDERS`]) each follow their own successor link, as
+    /// `step_together` does; many read the block's holder chain once and
+    /// each continues if it is on it, unless far more workers hold the
+    /// block than are still matching (one held more widely than the run
+    /// before it), when they follow their links too. The links of workers
+    /// stepped by their set are not followed, so they may be stale: every
+    /// way checks what it reads, and the chain's way refreshes them (so
+    /// fewer than [`MIN_HOLDERS`] left, they are fresh).
+    fn step_by_set(&mut self, alive: &mut Vec<Walker>, signature: &mut u64, i: usize, hash: u64) {
+        let holders = match self.holder_sets.get(hash) {
+            Some((count, set)) if count as usize == alive.len() && set == *signature => return,
+            Some((count, _)) => count as usize,
+            None => MIN_HOLDERS as usize - 1,
+        };
+        let matching = alive.len();
+        if matching < MIN_HOLDERS as usize || holders > 4 * matching {
+            self.step_together::<false>(alive, i, hash);
+        } else {
+            let first = self.first_of(hash).unwrap_or(NIL);
+            let mut node = first;
+            while node != NIL {
+                let n = &self.nodes[node as usize];
+                self.holding[n.worker() as usize] = node;
+                node = n.next_holder;
+                #[cfg(test)]
+                self.worker_steps.set(self.worker_steps.get() + 1);
+            }
+            let mut stopped = false;
+            for walker in alive.iter_mut() {
+                let w = walker.worker as usize;
+                match self.holding[w] {
+                    NIL => {
+                        self.last_match[w] = i as u32 - 1;
+                        self.host_run[w] = walker.host;
+                        walker.worker = NIL;
+                        stopped = true;
+                    }
+                    held => walker.successor = self.nodes[held as usize].successor,
+                }
+            }
+            let mut node = first;
+            while node != NIL {
+                let n = &self.nodes[node as usize];
+                self.holding[n.worker() as usize] = NIL;
+                node = n.next_holder;
+            }
+            if stopped {
+                alive.retain(|walker| walker.worker != NIL);
+            }
+        }
+        // Workers only ever leave: the same number is the same workers.
+        if alive.len() != matching {
+            *signature = alive.iter().fold(0u64, |sum, walker| sum.wrapping_add(mark(walker.worker)));
+        }
+    }
+
     /// One block of the walk for the workers in `alive` (more than one):
     /// each continues if its successor link leads to its node of `hash`,
     /// or else the table (probed once for them all) finds one; the others
     /// leave `alive`, their runs ended at block `i - 1`. Host-only blocks
     /// are counted when `TIERED`.
     fn step_together<const TIERED: bool>(&mut self, alive: &mut Vec<Walker>, i: usize, hash: u64) {
+        #[cfg(test)]
+        self.worker_steps.set(self.worker_steps.get() + alive.len() as u64);
         let (nodes, table) = (&self.nodes, &self.first_holder);
         let (last_match, host_run) = (&mut self.last_match, &mut self.host_run);
         let mut probed: Option<u32> = None;
@@ -739,6 +830,11 @@ impl PrefixIndex {
                     let next_holder = self.first_of(hash).unwrap_or(NIL);
                     let node = self.nodes.alloc(Node::new(hash, worker_u32, next_holder));
                     self.set_first(hash, node);
+                    if next_holder != NIL {
+                        let nodes = &self.nodes;
+                        self.holder_sets
+                            .add(hash, worker_u32, || holder_set_of(nodes, node));
+                    }
                     self.workers[w].len += 1;
                     node
                 };
@@ -1005,9 +1101,11 @@ impl PrefixIndex {
         // Unlink from the block's holder chain (chains are short: the
         // workers holding one block).
         if let Some(first) = self.first_of(hash) {
+            let mut shared = true;
             if first == node {
                 if next_holder == NIL {
                     self.remove_block(hash);
+                    shared = false;
                 } else {
                     self.set_first(hash, next_holder);
                 }
@@ -1022,9 +1120,60 @@ impl PrefixIndex {
                     prev = next;
                 }
             }
+            if shared {
+                self.holder_sets.remove(hash, removed.worker());
+            }
         }
         self.nodes.free(node);
     }
+}
+
+#[cfg(test)]
+impl PrefixIndex {
+    /// Per-worker steps the walks have taken so far.
+    pub(crate) fn worker_steps(&self) -> u64 {
+        self.worker_steps.get()
+    }
+
+    /// Fails unless every block held by [`MIN_HOLDERS`] or more workers has
+    /// the holder set its chain lists, and no other block has one.
+    pub(crate) fn check_holder_sets(&self) {
+        let mut shared = 0;
+        let mut seen = std::collections::HashSet::new();
+        for list in self.workers.iter().chain(&self.hosts) {
+            let mut node = list.oldest;
+            while node != NIL {
+                let n = &self.nodes[node as usize];
+                let hash = n.hash();
+                if seen.insert(hash) {
+                    let first = self.first_of(hash).unwrap_or(NIL);
+                    let (count, signature) = holder_set_of(&self.nodes, first);
+                    if count >= MIN_HOLDERS {
+                        shared += 1;
+                        assert_eq!(self.holder_sets.get(hash), Some((count, signature)), "block {hash}");
+                    } else {
+                        assert_eq!(self.holder_sets.get(hash), None, "block {hash}");
+                    }
+                }
+                node = n.newer;
+            }
+        }
+        assert_eq!(self.holder_sets.len(), shared);
+    }
+}
+
+/// How many workers the holder chain from `node` lists, and the sum of
+/// their marks: a block's holder set, built whole when it gets its second
+/// holder.
+fn holder_set_of(nodes: &Arena, mut node: u32) -> (u32, u64) {
+    let (mut count, mut signature) = (0u32, 0u64);
+    while node != NIL {
+        let n = &nodes[node as usize];
+        count += 1;
+        signature = signature.wrapping_add(mark(n.worker()));
+        node = n.next_holder;
+    }
+    (count, signature)
 }
 
 /// `worker`'s node in the holder chain of `nodes` starting at `node`.

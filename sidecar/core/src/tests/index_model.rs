@@ -145,6 +145,7 @@ proptest! {
                 prop_assert_eq!(index.len(WorkerId(w)), model.lists[w].len());
             }
             prop_assert_eq!(index.entries(), model.lists.iter().map(Vec::len).sum::<usize>());
+            index.check_holder_sets();
         }
     }
 }
@@ -279,6 +280,7 @@ proptest! {
             }
             let all: usize = model.gpu.iter().chain(&model.host).map(Vec::len).sum();
             prop_assert_eq!(index.entries(), all);
+            index.check_holder_sets();
         }
     }
 }
@@ -320,5 +322,99 @@ fn unique_prefix_flood_respects_the_byte_budget() {
     assert!(
         lens.iter().max().unwrap() - lens.iter().min().unwrap() <= 100,
         "{lens:?}"
+    );
+}
+
+/// Many workers, blocks held widely: each walk's overlaps equal what
+/// `contains` says block by block, whichever way the walk stepped (by
+/// holder set, by holder chain, or by successor links left stale by set
+/// steps, when a block is held far more widely than the run before it).
+#[derive(Debug, Clone)]
+enum WideOp {
+    Insert { workers: Vec<usize>, blocks: Vec<u64> },
+    Lookup { blocks: Vec<u64> },
+    DropOldest { worker: usize, count: usize },
+}
+
+const WIDE: usize = 12;
+
+fn wide_op() -> impl Strategy<Value = WideOp> {
+    let blocks = prop::collection::vec(0u64..24, 0..10);
+    prop_oneof![
+        4 => (prop::collection::vec(0..WIDE, 1..WIDE), blocks.clone())
+            .prop_map(|(workers, blocks)| WideOp::Insert { workers, blocks }),
+        3 => blocks.prop_map(|blocks| WideOp::Lookup { blocks }),
+        1 => (0..WIDE, 0usize..8).prop_map(|(worker, count)| WideOp::DropOldest { worker, count }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    #[test]
+    fn walks_over_widely_held_blocks_match_block_by_block_lookups(ops in prop::collection::vec(wide_op(), 1..60)) {
+        let mut index = PrefixIndex::new();
+        for _ in 0..WIDE {
+            index.add_worker(40);
+        }
+        let mut overlaps = Vec::new();
+        for op in ops {
+            match op {
+                WideOp::Insert { workers, blocks } => {
+                    let mut seen = std::collections::HashSet::new();
+                    let blocks: Vec<u64> = blocks.into_iter().filter(|b| seen.insert(*b)).collect();
+                    for w in workers {
+                        index.insert(WorkerId(w), &blocks);
+                    }
+                }
+                WideOp::Lookup { blocks } => {
+                    let mut seen = std::collections::HashSet::new();
+                    let blocks: Vec<u64> = blocks.into_iter().filter(|b| seen.insert(*b)).collect();
+                    index.overlaps(&blocks, &mut overlaps);
+                    for (w, overlap) in overlaps.iter().enumerate() {
+                        let expected = blocks.iter().take_while(|&&b| index.contains(WorkerId(w), b)).count();
+                        prop_assert_eq!(*overlap, expected, "worker {}", w);
+                    }
+                }
+                WideOp::DropOldest { worker, count } => {
+                    index.drop_oldest(WorkerId(worker), count);
+                }
+            }
+            index.check_holder_sets();
+        }
+    }
+}
+
+/// A prefix every worker holds is walked once for all of them: 500 shared
+/// blocks over 64 workers take a handful of per-worker steps, not one per
+/// block per worker (32,000), and the overlaps are right.
+#[test]
+fn a_prefix_every_worker_holds_is_walked_once_for_all() {
+    const WORKERS: usize = 64;
+    const SHARED: u64 = 500;
+    let mut index = PrefixIndex::new();
+    for _ in 0..WORKERS {
+        index.add_worker(100_000);
+    }
+    let shared: Vec<u64> = (0..SHARED).map(|i| crate::splitmix64(i + 1)).collect();
+    let mut own = |w: u64| -> Vec<u64> {
+        let mut blocks = shared.clone();
+        blocks.extend((0..40).map(|i| crate::splitmix64((w + 1) << 32 | i)));
+        blocks
+    };
+    let requests: Vec<Vec<u64>> = (0..WORKERS as u64).map(&mut own).collect();
+    for (w, blocks) in requests.iter().enumerate() {
+        index.insert(WorkerId(w), blocks);
+    }
+    let mut overlaps = Vec::new();
+    let before = index.worker_steps();
+    index.overlaps(&requests[7], &mut overlaps);
+    let steps = index.worker_steps() - before;
+    for (w, &overlap) in overlaps.iter().enumerate() {
+        let expected = if w == 7 { requests[7].len() } else { SHARED as usize };
+        assert_eq!(overlap, expected, "worker {w}");
+    }
+    assert!(
+        steps <= (WORKERS as u64) * 2,
+        "{steps} per-worker steps for {SHARED} blocks held by {WORKERS} workers"
     );
 }

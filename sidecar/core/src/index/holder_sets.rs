@@ -1,0 +1,206 @@
+//! `HolderSets`: for every block more than one worker holds, how many hold
+//! it and a signature of which, so a prefix walk can tell in one probe that
+//! a block is held by exactly the workers still matching, and step them all
+//! at once.
+//!
+//! A fleet's common system prompt and tools sit on every worker: hundreds
+//! of blocks, each held by all of them. Following each worker's own node
+//! through such a run costs a node read per block per worker (500 blocks
+//! over 64 workers: 32,000 reads, about 100 µs); Dynamo's radix tree keeps
+//! one node per run with the set of workers holding it. Here a block's
+//! holder set is a count and a sum of a 64-bit mix of each holder's id:
+//! two different sets of the same size have the same sum with probability
+//! about 2^-64, the odds the block hashes themselves already accept.
+//!
+//! Only a block held by [`MIN_HOLDERS`] or more workers has a set: most
+//! blocks are a session's own, on its home only, and a block on a few
+//! workers is stepped as cheaply through its holder chain. A set costs
+//! about 25 bytes, so at most about 3 bytes per entry. Sets live in a slab
+//! of fixed-size chunks found through a [`HolderTable`], which grows
+//! without a stop-the-world rehash.
+
+use super::holders::HolderTable;
+
+/// One shared block: its hash (split so the entry aligns to 4), how many
+/// workers hold it, and the sum of their marks.
+#[derive(Debug, Clone, Copy)]
+struct HolderSet {
+    hash_lo: u32,
+    hash_hi: u32,
+    count: u32,
+    signature_lo: u32,
+    signature_hi: u32,
+}
+
+const _: () = assert!(size_of::<HolderSet>() == 20);
+
+impl HolderSet {
+    fn hash(&self) -> u64 {
+        (u64::from(self.hash_hi) << 32) | u64::from(self.hash_lo)
+    }
+
+    fn signature(&self) -> u64 {
+        (u64::from(self.signature_hi) << 32) | u64::from(self.signature_lo)
+    }
+
+    fn set_signature(&mut self, signature: u64) {
+        self.signature_lo = signature as u32;
+        self.signature_hi = (signature >> 32) as u32;
+    }
+}
+
+/// The fewest holders a block's set is kept for. Every block held by two
+/// workers with a set cost 13 bytes per entry (53 in all, where the index
+/// promises 40); at eight, at most about 3.
+pub(super) const MIN_HOLDERS: u32 = 8;
+
+/// A worker's mark: holder sets are compared by the sum of their marks.
+pub(super) fn mark(worker: u32) -> u64 {
+    crate::splitmix64(u64::from(worker) ^ 0x6b76_6d65_7368_0001)
+}
+
+const CHUNK_BITS: usize = 12;
+const CHUNK: usize = 1 << CHUNK_BITS;
+const NIL: u32 = u32::MAX;
+
+/// Block hash → (holders, signature) for blocks held by [`MIN_HOLDERS`] or more.
+#[derive(Debug, Clone)]
+pub(super) struct HolderSets {
+    table: HolderTable,
+    /// Filled by pushes a chunk at a time; freed slots are a list threaded
+    /// through their `count` fields.
+    chunks: Vec<Vec<HolderSet>>,
+    len: usize,
+    free_head: u32,
+    free_len: usize,
+}
+
+impl Default for HolderSets {
+    fn default() -> Self {
+        Self {
+            table: HolderTable::default(),
+            chunks: Vec::new(),
+            len: 0,
+            free_head: NIL,
+            free_len: 0,
+        }
+    }
+}
+
+impl HolderSets {
+    fn slot(&self, id: u32) -> &HolderSet {
+        let id = id as usize;
+        &self.chunks[id >> CHUNK_BITS][id & (CHUNK - 1)]
+    }
+
+    fn slot_mut(&mut self, id: u32) -> &mut HolderSet {
+        let id = id as usize;
+        &mut self.chunks[id >> CHUNK_BITS][id & (CHUNK - 1)]
+    }
+
+    fn find(&self, hash: u64) -> Option<u32> {
+        self.table.find(hash, |id| self.slot(id).hash())
+    }
+
+    /// How many workers hold `hash` and their signature, when
+    /// [`MIN_HOLDERS`] or more do.
+    pub(super) fn get(&self, hash: u64) -> Option<(u32, u64)> {
+        let set = self.slot(self.find(hash)?);
+        Some((set.count, set.signature()))
+    }
+
+    /// Blocks with a set.
+    pub(super) fn len(&self) -> usize {
+        self.len - self.free_len
+    }
+
+    /// One more worker, `worker`, holds `hash`; `holders` (called only
+    /// when the block had no set) lists every holder, `worker` included.
+    pub(super) fn add(&mut self, hash: u64, worker: u32, holders: impl FnOnce() -> (u32, u64)) {
+        if let Some(id) = self.find(hash) {
+            let set = self.slot_mut(id);
+            set.count += 1;
+            let signature = set.signature().wrapping_add(mark(worker));
+            set.set_signature(signature);
+            return;
+        }
+        let (count, signature) = holders();
+        if count < MIN_HOLDERS {
+            return;
+        }
+        let mut set = HolderSet {
+            hash_lo: hash as u32,
+            hash_hi: (hash >> 32) as u32,
+            count,
+            signature_lo: 0,
+            signature_hi: 0,
+        };
+        set.set_signature(signature);
+        let id = self.alloc(set);
+        let chunks = &self.chunks;
+        self.table.set(hash, id, |id| {
+            let id = id as usize;
+            chunks[id >> CHUNK_BITS][id & (CHUNK - 1)].hash()
+        });
+    }
+
+    /// `worker` no longer holds `hash`: its set shrinks, and goes below
+    /// [`MIN_HOLDERS`].
+    pub(super) fn remove(&mut self, hash: u64, worker: u32) {
+        let Some(id) = self.find(hash) else { return };
+        let set = self.slot_mut(id);
+        set.count = set.count.saturating_sub(1);
+        let signature = set.signature().wrapping_sub(mark(worker));
+        set.set_signature(signature);
+        if set.count < MIN_HOLDERS {
+            let chunks = &self.chunks;
+            self.table.remove(hash, |id| {
+                let id = id as usize;
+                chunks[id >> CHUNK_BITS][id & (CHUNK - 1)].hash()
+            });
+            self.free(id);
+        }
+    }
+
+    fn alloc(&mut self, set: HolderSet) -> u32 {
+        if self.free_head != NIL {
+            let id = self.free_head;
+            self.free_head = self.slot(id).count;
+            self.free_len -= 1;
+            *self.slot_mut(id) = set;
+            return id;
+        }
+        if self.len.is_multiple_of(CHUNK) {
+            self.chunks.push(Vec::with_capacity(CHUNK));
+        }
+        let id = self.len;
+        if let Some(chunk) = self.chunks.last_mut() {
+            chunk.push(set);
+            self.len += 1;
+        }
+        id as u32
+    }
+
+    fn free(&mut self, id: u32) {
+        let next = self.free_head;
+        *self.slot_mut(id) = HolderSet {
+            hash_lo: 0,
+            hash_hi: 0,
+            count: next,
+            signature_lo: 0,
+            signature_hi: 0,
+        };
+        self.free_head = id;
+        self.free_len += 1;
+    }
+
+    pub(super) fn memory_bytes(&self) -> usize {
+        self.table.allocation_size()
+            + self
+                .chunks
+                .iter()
+                .map(|c| c.capacity() * size_of::<HolderSet>())
+                .sum::<usize>()
+            + self.chunks.capacity() * size_of::<Vec<HolderSet>>()
+    }
+}

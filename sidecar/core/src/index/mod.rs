@@ -721,18 +721,24 @@ impl PrefixIndex {
         self.trail.reserve(hashes.len().saturating_sub(from));
         self.trail_worker = w;
         self.trail_from = from;
+        // A placement allocates a new run's nodes last block first, so the
+        // node of the block after `previous` is most often the one just
+        // below it in the arena. Tried first, it lets the reads go ahead of
+        // the links: following `successor` alone waits for each node's load
+        // before the next can start. A guess is checked as a link is.
+        let mut previous = NIL;
         for (i, &hash) in hashes.iter().enumerate().skip(from) {
-            let linked = (successor != NIL)
-                .then(|| self.nodes.get(successor as usize))
-                .flatten()
-                .filter(|s| s.worker() == w && s.hash() == hash);
-            let (next, n) = match linked {
-                Some(&n) => (successor, n),
-                None => match self.find(w, hash) {
-                    Some(next) => (next, self.nodes[next as usize]),
-                    None => break,
-                },
+            let holds = |node: u32| {
+                self.nodes
+                    .get(node as usize)
+                    .filter(|s| s.worker() == w && s.hash() == hash)
+                    .map(|&n| (node, n))
             };
+            let found = holds(previous.wrapping_sub(1))
+                .or_else(|| (successor != NIL).then(|| holds(successor)).flatten())
+                .or_else(|| self.find(w, hash).map(|next| (next, self.nodes[next as usize])));
+            let Some((next, n)) = found else { break };
+            previous = next;
             successor = n.successor;
             last = i as u32;
             self.trail.push(next);
@@ -1009,19 +1015,21 @@ impl PrefixIndex {
     }
 
     /// Appends to `placed` `worker`'s node (or `NIL`) of each of `hashes`,
-    /// following successor links from the last node in `placed` as the
-    /// lookup does, and probing the table where a link misses.
+    /// trying the node below the last one in `placed` and then its
+    /// successor link, as the lookup does, and probing the table where
+    /// both miss.
     fn follow(&self, worker: u32, hashes: &[u64], placed: &mut Vec<u32>) {
         let mut previous = placed.last().copied().unwrap_or(NIL);
         for &hash in hashes {
+            let holds = |node: u32| {
+                self.nodes
+                    .get(node as usize)
+                    .is_some_and(|n| n.worker() == worker && n.hash() == hash)
+            };
+            let guess = previous.wrapping_sub(1);
             let linked = (previous != NIL)
-                .then(|| self.nodes[previous as usize].successor)
-                .filter(|&s| s != NIL)
-                .filter(|&s| {
-                    self.nodes
-                        .get(s as usize)
-                        .is_some_and(|n| n.worker() == worker && n.hash() == hash)
-                });
+                .then(|| if holds(guess) { guess } else { self.nodes[previous as usize].successor })
+                .filter(|&s| s != NIL && holds(s));
             let node = linked.or_else(|| self.find(worker, hash)).unwrap_or(NIL);
             placed.push(node);
             previous = node;

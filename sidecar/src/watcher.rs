@@ -149,22 +149,37 @@ pub(crate) async fn expire_sessions(shared: Shared, interval: Duration) {
     let mut ticker = tokio::time::interval(interval);
     loop {
         ticker.tick().await;
-        // In steps, the router's lock released between them.
         let now = now_ms();
-        let mut ended = 0;
-        loop {
-            let step = shared.expire_sessions_step(now);
-            ended += step;
-            if step < kvmesh_core::EXPIRE_STEP {
-                break;
-            }
-        }
-        // Off the async workers: a pass is tens of ms of steps at 100,000
-        // sessions, and the gRPC streams share those threads.
+        // Both off the async workers: each is tens of ms of steps and
+        // pauses at 100,000 sessions, and the gRPC streams share those
+        // threads. An expiry that panicked ended nothing.
+        let expiring = shared.clone();
+        let ended = tokio::task::spawn_blocking(move || end_idle_sessions(&expiring, now))
+            .await
+            .unwrap_or(0);
         let ticking = shared.clone();
         let _ = tokio::task::spawn_blocking(move || ticking.tick_insights()).await;
         if ended > 0 {
             info!(ended, "idle sessions ended");
         }
+    }
+}
+
+/// Ends every session idle past its TTL at `now`, one step of
+/// [`kvmesh_core::EXPIRE_STEP`] sessions per hold of the router's lock;
+/// returns how many it ended.
+fn end_idle_sessions(shared: &Shared, now: u64) -> usize {
+    let mut ended = 0;
+    loop {
+        let step = shared.expire_sessions_step(now);
+        ended += step;
+        if step < kvmesh_core::EXPIRE_STEP {
+            return ended;
+        }
+        // Another step follows. Taken again at once, the lock (not fair)
+        // would stay with this thread while the Picks it woke are still
+        // being scheduled, and a mass expiry would hold them for all its
+        // steps: the pause lets them in, as in the ledger's tick.
+        crate::state::between_locks();
     }
 }

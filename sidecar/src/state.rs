@@ -4,6 +4,10 @@
 //! Outcome goes through whichever edge brought it: `pick` (check, decide,
 //! record, publish) and `report` (clip, learn, record).
 //!
+//! It is the router's one owner: no other module locks it. An edge reads
+//! or changes the router through a narrow method of `Shared`, one hold of
+//! the lock with owned data out, so every hold a Pick may wait on is here.
+//!
 //! Below every edge: gRPC, admin HTTP, the Redis store, the engine watcher
 //! and shutdown all import this module, and it imports none of them. The
 //! store plugs in through [`PlacementSink`], so Pick can publish a placement
@@ -55,11 +59,10 @@ pub(crate) enum Answer {
 /// The routing state every edge shares: cloned into each (the clone is a
 /// handful of `Arc`s).
 ///
-/// The router's lock is taken in this module alone: an edge calls one of
-/// the narrow methods below, each one hold of the lock with owned data out
-/// (`tests/one_owner.rs` checks it). So every hold every Pick may wait on
-/// is written here, where its length and its place in the lock order can
-/// be seen.
+/// The router's lock is taken in this module alone, by `pick`, `report`,
+/// the ledger's tick and the narrow methods the edges call
+/// (`tests/one_owner.rs` checks it), so each hold's length and place in
+/// the lock order can be seen here.
 ///
 /// Lock order: `ticks` (a pass of the ledger's tick), then `router` before
 /// `insights`, never the reverse. The ledger

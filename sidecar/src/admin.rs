@@ -70,26 +70,7 @@ async fn metrics(State(shared): State<Shared>) -> Result<impl IntoResponse, Stat
 
 fn metrics_text(shared: &Shared) -> String {
     shared.fresh_insights();
-    let (workers, sizes) = {
-        let router = shared.router();
-        let index = router.index();
-        // Router first, then the ledger: the order `Shared` documents. One
-        // guard: a second lock of the ledger in the same expression would
-        // wait on the first forever.
-        let insights = shared.insights();
-        (
-            router.workers_at(now_ms()),
-            crate::metrics::StateSizes {
-                sessions: router.sessions().len(),
-                index_entries: index.entries(),
-                index_bytes: index.memory_bytes(),
-                models: router.models(),
-                trace_carriers: router.sessions().traces(),
-                trace_bytes: insights.trace_memory_bytes(),
-                lane_sessions: insights.lane_sessions(),
-            },
-        )
-    };
+    let (workers, sizes) = shared.scrape_figures();
     shared.metrics.render(&workers, sizes)
 }
 
@@ -111,8 +92,9 @@ const ROWS_PER_LOCK: usize = 1000;
 /// Session ids, homes, idle times, parents, harnesses and calls by lane:
 /// ids and counts only, never prompt text.
 ///
-/// Every Pick waits on the router's lock, so this takes it for at most
-/// [`ROWS_PER_LOCK`] sessions at a time, walking the session table from
+/// Every Pick waits on the router's lock, so this reads at most
+/// [`ROWS_PER_LOCK`] sessions per hold of it (`Shared::sessions_before`,
+/// with a pause between holds), walking the session table from
 /// the most recently seen: a page costs its offset and rows, not the table
 /// (copying and sorting every session took 310-390 ms at 100,000, and
 /// fetched in a loop held Picks to about 25/s). A session seen again while
@@ -129,35 +111,27 @@ fn sessions_page(shared: &Shared, page: &Page) -> serde_json::Value {
     let now = now_ms();
     let offset = page.offset.unwrap_or(0);
     let limit = page.limit.unwrap_or(PAGE_DEFAULT).min(PAGE_MAX);
-    let (total, addresses) = {
-        let router = shared.router();
-        let addresses: Vec<String> = router.workers().into_iter().map(|w| w.address).collect();
-        (router.sessions().len(), addresses)
-    };
+    let (total, addresses) = shared.session_count_and_addresses();
     let mut cursor = u64::MAX;
     let mut skip = offset.min(total);
     let mut rows: Vec<SessionRow> = Vec::with_capacity(limit.min(total));
     while rows.len() < limit {
-        let router = shared.router();
-        let table = router.sessions();
-        let want = if skip > 0 {
-            skip.min(ROWS_PER_LOCK)
+        let resume = if skip > 0 {
+            let (found, resume) = shared.count_sessions_before(cursor, skip.min(ROWS_PER_LOCK));
+            skip -= found;
+            resume
         } else {
-            (limit - rows.len()).min(ROWS_PER_LOCK)
-        };
-        let (found, resume) = table.newest_before(cursor, want);
-        if skip > 0 {
-            skip -= found.len();
-        } else {
-            rows.extend(found.iter().map(|&(id, home, seen)| SessionRow {
-                session: id.to_owned(),
-                home: addresses.get(home.0).cloned(),
-                idle_ms: now.saturating_sub(seen),
-                parent: table.parent(id).map(str::to_owned),
+            let want = (limit - rows.len()).min(ROWS_PER_LOCK);
+            let (found, resume) = shared.sessions_before(cursor, want);
+            rows.extend(found.into_iter().map(|s| SessionRow {
+                home: addresses.get(s.home.0).cloned(),
+                idle_ms: now.saturating_sub(s.last_seen_ms),
+                session: s.session,
+                parent: s.parent,
                 lanes: None,
             }));
-        }
-        drop(router);
+            resume
+        };
         // The walk reached the oldest session.
         if resume == cursor {
             break;
@@ -268,7 +242,7 @@ fn report_page(shared: &Shared, query: &ReportQuery) -> crate::report::AgentRepo
         .filter(|gb| gb.is_finite() && *gb >= 0.0)
         .unwrap_or(crate::retention_report::DEFAULT_EXTRA_KV_GB);
     // The evicted idle sessions are the last tick's: it asked the fleet.
-    let fleet = crate::retention_report::FleetSnapshot::take(&shared.router());
+    let fleet = shared.fleet_snapshot();
     let tick = shared.insights().last_tick();
     let report = shared.ledger_report(window_ms);
     let retention = crate::retention_report::sections(&report, &fleet, &tick.evicted, extra_kv_gb);
@@ -303,7 +277,6 @@ async fn readyz(State(shared): State<Shared>) -> impl IntoResponse {
         return (StatusCode::SERVICE_UNAVAILABLE, "not ready: shutting down\n".to_owned());
     }
     let healthy = shared
-        .router()
         .workers()
         .iter()
         .filter(|w| w.healthy && w.state == kvmesh_core::WorkerState::Active)
@@ -324,12 +297,12 @@ async fn workers(State(shared): State<Shared>) -> Result<impl IntoResponse, Stat
 
 fn workers_page(shared: &Shared) -> serde_json::Value {
     let now = now_ms();
-    let views: Vec<WorkerView> = shared.router().workers_at(now);
+    let views: Vec<WorkerView> = shared.worker_views(now);
     // One worker's retention residents per hold of the router's lock: all
     // of them at once walked every live session under it.
     let retained: Vec<(usize, f64)> = (0..views.len())
         .map(|i| {
-            let value = shared.router().retention().worker_value(WorkerId(i), now);
+            let value = shared.worker_retention(WorkerId(i), now);
             crate::state::between_locks();
             value
         })

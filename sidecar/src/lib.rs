@@ -13,7 +13,8 @@
 //!   resident blocks followed from them), [`snapshot`] (the router snapshot's byte codec), [`bounds`]
 //!   (the wire bounds a Pick or Outcome must keep), [`wire`] (proto messages
 //!   into core types and back). They build without the `server` feature.
-//! - shared, below every edge: `state` (`Shared`, its lock order, `pick` and
+//! - shared, below every edge: `state` (`Shared`, the router's one owner
+//!   and the only module that locks it, its lock order, `pick` and
 //!   `report`), `metrics` (Prometheus), `clock` (`now_ms`), `lock`
 //!   (poison-tolerant locking), `config` (flags, environment, file),
 //!   `auth` (the shared token), `report` (rendering the agent report),

@@ -4,10 +4,10 @@
 //! prices given to `kvmesh-sidecar report`) what the same traffic would cost
 //! on a managed API with cache pricing. Counts, times and tokens only.
 //!
-//! Pure: the admin edge copies the router's return-gap histograms under
-//! the router's lock ([`FleetSnapshot::take`]), then builds the section
-//! from them, the ledger and its last tick's evicted idle sessions
-//! ([`sections`]).
+//! Pure: the router's return-gap histograms are copied under its lock
+//! ([`FleetSnapshot::take`], for `Shared::fleet_snapshot`), then the admin
+//! edge builds the section from them, the ledger and its last tick's
+//! evicted idle sessions ([`sections`]).
 //!
 //! ## The figures
 //!

@@ -4,6 +4,10 @@
 //! Outcome goes through whichever edge brought it: `pick` (check, decide,
 //! record, publish) and `report` (clip, learn, record).
 //!
+//! It is the router's one owner: no other module locks it. An edge reads
+//! or changes the router through a narrow method of `Shared`, one hold of
+//! the lock with owned data out, so every hold a Pick may wait on is here.
+//!
 //! Below every edge: gRPC, admin HTTP, the Redis store, the engine watcher
 //! and shutdown all import this module, and it imports none of them. The
 //! store plugs in through [`PlacementSink`], so Pick can publish a placement
@@ -12,15 +16,20 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use kvmesh_core::{Call, Decision, Insights, PromptSection, Report, Router};
+use kvmesh_core::{
+    Call, Decision, EngineCacheChange, EngineCacheEffect, Insights, PromptSection, Report, Router, Snapshot, WorkerId,
+    WorkerView,
+};
 use kvmesh_proto::v1;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::bounds::{self, Violation};
 use crate::clock::now_ms;
+use crate::engine_metrics::EngineSnapshot;
 use crate::lock::lock;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, StateSizes};
+use crate::retention_report::FleetSnapshot;
 use crate::wire;
 
 /// One placement decided by this replica, for the other replicas.
@@ -50,12 +59,17 @@ pub(crate) enum Answer {
 /// The routing state every edge shares: cloned into each (the clone is a
 /// handful of `Arc`s).
 ///
+/// The router's lock is taken in this module alone, by `pick`, `report`,
+/// the ledger's tick and the narrow methods the edges call
+/// (`tests/one_owner.rs` checks it), so each hold's length and place in
+/// the lock order can be seen here.
+///
 /// Lock order: `ticks` (a pass of the ledger's tick), then `router` before
 /// `insights`, never the reverse. The ledger
 /// consumes each Pick's record after the router's lock is released (Picks
 /// never wait on it), so the two are rarely held together; where they are
-/// (a debug page reading both), the router comes first, and an edge that
-/// locked the ledger first and then wanted the router could deadlock
+/// (the figures of a metrics scrape), the router comes first, and a method
+/// that locked the ledger first and then wanted the router could deadlock
 /// against it. Nothing is locked
 /// across an `.await`: both are std mutexes held for microseconds.
 #[derive(Debug, Clone)]
@@ -98,8 +112,9 @@ impl Shared {
         self.shutdown.is_cancelled()
     }
 
-    /// The router (see `lock` on poisoning).
-    pub(crate) fn router(&self) -> MutexGuard<'_, Router> {
+    /// The router (see `lock` on poisoning). Private: edges go through the
+    /// narrow methods below.
+    fn router(&self) -> MutexGuard<'_, Router> {
         lock(&self.router)
     }
 
@@ -320,5 +335,188 @@ impl Shared {
         );
         self.metrics
             .observe_report(known, usage.prompt_tokens, usage.cached_tokens);
+    }
+}
+
+/// One session of a `/debug/sessions` page, as the router has it.
+#[derive(Debug)]
+pub(crate) struct SessionView {
+    pub(crate) session: String,
+    pub(crate) home: WorkerId,
+    pub(crate) last_seen_ms: u64,
+    /// As the router resolved it.
+    pub(crate) parent: Option<String>,
+}
+
+/// What each edge reads of the router or does to it: one hold of the
+/// router's lock per call, with what the edge did under that hold and in
+/// the same order, owned data out. A loop that holds it in steps calls
+/// [`between_locks`] between them.
+impl Shared {
+    /// The workers (readiness, the engine watcher's scrape list).
+    pub(crate) fn workers(&self) -> Vec<WorkerView> {
+        self.router().workers()
+    }
+
+    /// The workers with their prefill queues drained to `now` (a page read
+    /// while no Pick arrives shows what is still queued).
+    pub(crate) fn worker_views(&self, now: u64) -> Vec<WorkerView> {
+        self.router().workers_at(now)
+    }
+
+    /// What a metrics scrape renders: the workers as of now and the sizes
+    /// of the router's and the ledger's tables, read in one hold of both.
+    pub(crate) fn scrape_figures(&self) -> (Vec<WorkerView>, StateSizes) {
+        let router = self.router();
+        let index = router.index();
+        // Router first, then the ledger: the order documented on `Shared`.
+        // One guard: a second lock of the ledger in the same expression
+        // would wait on the first forever.
+        let insights = self.insights();
+        (
+            router.workers_at(now_ms()),
+            StateSizes {
+                sessions: router.sessions().len(),
+                index_entries: index.entries(),
+                index_bytes: index.memory_bytes(),
+                models: router.models(),
+                trace_carriers: router.sessions().traces(),
+                trace_bytes: insights.trace_memory_bytes(),
+                lane_sessions: insights.lane_sessions(),
+            },
+        )
+    }
+
+    /// How many sessions the router follows, and the workers' addresses
+    /// (indexed by worker id), read together.
+    pub(crate) fn session_count_and_addresses(&self) -> (usize, Vec<String>) {
+        let router = self.router();
+        let addresses: Vec<String> = router.workers().into_iter().map(|w| w.address).collect();
+        (router.sessions().len(), addresses)
+    }
+
+    /// Up to `want` sessions seen before `cursor` (`u64::MAX`: the newest),
+    /// newest first, and the cursor to go on from.
+    pub(crate) fn sessions_before(&self, cursor: u64, want: usize) -> (Vec<SessionView>, u64) {
+        let router = self.router();
+        let table = router.sessions();
+        let (found, resume) = table.newest_before(cursor, want);
+        let sessions = found
+            .iter()
+            .map(|&(id, home, seen)| SessionView {
+                session: id.to_owned(),
+                home,
+                last_seen_ms: seen,
+                parent: table.parent(id).map(str::to_owned),
+            })
+            .collect();
+        (sessions, resume)
+    }
+
+    /// As [`Shared::sessions_before`], counting the sessions without
+    /// copying them (a page's offset, skipped).
+    pub(crate) fn count_sessions_before(&self, cursor: u64, want: usize) -> (usize, u64) {
+        let router = self.router();
+        let (found, resume) = router.sessions().newest_before(cursor, want);
+        (found.len(), resume)
+    }
+
+    /// One worker's retention residents: its session blocks and their
+    /// value in blocks. Walks that worker's live sessions.
+    pub(crate) fn worker_retention(&self, worker: WorkerId, now: u64) -> (usize, f64) {
+        self.router().retention().worker_value(worker, now)
+    }
+
+    /// The return-gap histograms the agent report's retention section needs.
+    pub(crate) fn fleet_snapshot(&self) -> FleetSnapshot {
+        FleetSnapshot::take(&self.router())
+    }
+
+    /// A failed scrape of the worker at `address`: marked down when
+    /// `mark_down`. False when the router does not know the worker.
+    pub(crate) fn engine_unreachable(&self, address: &str, mark_down: bool) -> bool {
+        let mut router = self.router();
+        let Some(id) = router.worker_id(address) else {
+            return false;
+        };
+        if mark_down {
+            router.set_healthy(id, false);
+        }
+        true
+    }
+
+    /// A successful scrape of the worker at `address`: marked healthy, its
+    /// blocks forgotten when the engine `restarted`, then its engine's
+    /// figures. Returns the blocks the restart forgot (0 without one), or
+    /// `None` when the router does not know the worker.
+    pub(crate) fn engine_scraped(&self, address: &str, snapshot: &EngineSnapshot, restarted: bool) -> Option<usize> {
+        let mut router = self.router();
+        let id = router.worker_id(address)?;
+        router.set_healthy(id, true);
+        let dropped = if restarted { router.restart(id) } else { 0 };
+        if let Some(waiting) = snapshot.waiting {
+            router.set_engine_waiting(id, waiting);
+        }
+        router.set_engine_activity(id, snapshot.running, snapshot.kv_usage);
+        if let Some(tokens) = snapshot.block_size_tokens {
+            router.set_engine_block_tokens(id, tokens);
+        }
+        if let Some(tokens) = snapshot.capacity_tokens {
+            router.set_engine_capacity_tokens(id, tokens);
+        }
+        Some(dropped)
+    }
+
+    /// Adds the workers at `appeared` and removes those at `vanished`, in
+    /// one hold. Returns the added workers' ids (in the order of
+    /// `appeared`) and the vanished addresses the router knew.
+    pub(crate) fn add_and_remove_workers<'a>(
+        &self,
+        appeared: &[String],
+        vanished: &'a [String],
+    ) -> (Vec<WorkerId>, Vec<&'a str>) {
+        let mut router = self.router();
+        let added = appeared.iter().map(|address| router.add_worker(address)).collect();
+        let mut removed = Vec::new();
+        for address in vanished {
+            if let Some(id) = router.worker_id(address) {
+                router.remove(id);
+                removed.push(address.as_str());
+            }
+        }
+        (added, removed)
+    }
+
+    /// Ends up to [`kvmesh_core::EXPIRE_STEP`] sessions idle past their TTL
+    /// at `now`; returns how many it ended.
+    pub(crate) fn expire_sessions_step(&self, now: u64) -> usize {
+        self.router().expire_sessions(now)
+    }
+
+    /// Applies one batch of the KV events of the engine at `worker`, or
+    /// `None` when the router does not know that worker.
+    pub(crate) fn apply_kv_events(&self, worker: &str, change: &EngineCacheChange) -> Option<EngineCacheEffect> {
+        let mut router = self.router();
+        let id = router.worker_id(worker)?;
+        Some(router.engine_events(id, change))
+    }
+
+    /// Everything needed to restart warm (see [`Router::snapshot`]).
+    pub(crate) fn routing_snapshot(&self) -> Snapshot {
+        self.router().snapshot()
+    }
+
+    /// Loads a snapshot taken by [`Shared::routing_snapshot`], here or on
+    /// another replica.
+    pub(crate) fn restore_routing(&self, snapshot: &Snapshot) {
+        self.router().restore(snapshot);
+    }
+
+    /// Other replicas' placements, applied in order in one hold.
+    pub(crate) fn observe_placements(&self, placements: &[Placement], now: u64) {
+        let mut router = self.router();
+        for placement in placements {
+            router.observe_placement(&placement.worker, &placement.blocks, &placement.session, now);
+        }
     }
 }

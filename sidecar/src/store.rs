@@ -167,7 +167,7 @@ async fn restore(conn: &ConnectionManager, keys: &Keys, shared: &Shared) -> Stri
     match stored {
         Ok(Some(bytes)) => match decode_snapshot(&bytes) {
             Some((id, snapshot)) => {
-                shared.router().restore(&snapshot);
+                shared.restore_routing(&snapshot);
                 let blocks: usize = snapshot.workers.iter().map(|(_, b)| b.len()).sum();
                 info!(blocks, sessions = snapshot.sessions.len(), from = %id, "warm start from the redis snapshot");
                 id
@@ -348,7 +348,11 @@ async fn read(
                 }
                 let Some(reply) = reply else { continue };
                 let now = now_ms();
-                let mut router = shared.router();
+                // Decoded before the router's lock, applied in one hold of
+                // it; the id read on from moves past them only then, so a
+                // snapshot never claims entries the router lacks.
+                let mut placements = Vec::new();
+                let mut newest = None;
                 for key in reply.keys {
                     for entry in key.ids {
                         let mine = entry.get::<String>("r").is_some_and(|r| r == replica);
@@ -360,12 +364,20 @@ async fn read(
                                 .chunks_exact(8)
                                 .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
                                 .collect();
-                            router.observe_placement(&worker, &blocks, &session, now);
+                            placements.push(Placement {
+                                worker,
+                                session,
+                                blocks,
+                            });
                         }
-                        if let Ok(mut id) = last_id.lock() {
-                            *id = entry.id;
-                        }
+                        newest = Some(entry.id);
                     }
+                }
+                shared.observe_placements(&placements, now);
+                if let Some(newest) = newest
+                    && let Ok(mut id) = last_id.lock()
+                {
+                    *id = newest;
                 }
             }
         }
@@ -401,7 +413,7 @@ async fn snapshots(
 /// Writes the router's state with the stream id it covers.
 async fn write_snapshot(conn: &ConnectionManager, keys: &Keys, shared: &Shared, last_id: &Mutex<String>) {
     let id = last_id.lock().map(|id| id.clone()).unwrap_or_else(|_| "0-0".to_owned());
-    let snapshot = shared.router().snapshot();
+    let snapshot = shared.routing_snapshot();
     let bytes = encode_snapshot(&id, &snapshot);
     let mut conn = conn.clone();
     let written: redis::RedisResult<()> = redis::cmd("SET")

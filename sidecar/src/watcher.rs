@@ -46,7 +46,6 @@ pub(crate) async fn watch_engines(shared: Shared, interval: Duration, metrics_pa
     loop {
         ticker.tick().await;
         let addresses: Vec<String> = shared
-            .router()
             .workers()
             .into_iter()
             .filter(|w| w.state != WorkerState::Removed)
@@ -68,47 +67,42 @@ pub(crate) async fn watch_engines(shared: Shared, interval: Duration, metrics_pa
     }
 }
 
+/// Feeds one scrape to the router. What it does there is decided from
+/// `seen` first; `seen` changes only if the router still knows the worker.
 fn apply_scrape(shared: &Shared, address: &str, seen: &mut Seen, result: Result<EngineSnapshot, reqwest::Error>) {
-    let mut router = shared.router();
-    let Some(id) = router.worker_id(address) else { return };
+    let limit = if seen.up_once { FAILURES_BEFORE_DOWN } else { 1 };
     match result {
         Err(err) => {
+            let marks_down = seen.failures + 1 == limit;
+            if !shared.engine_unreachable(address, marks_down) {
+                return;
+            }
             seen.failures += 1;
-            let limit = if seen.up_once { FAILURES_BEFORE_DOWN } else { 1 };
-            if seen.failures == limit {
+            if marks_down {
                 warn!(worker = address, "worker marked down: metrics unreachable ({err})");
-                router.set_healthy(id, false);
                 shared.metrics.observe_worker_event("down");
             }
         }
         Ok(snapshot) => {
-            let limit = if seen.up_once { FAILURES_BEFORE_DOWN } else { 1 };
+            let restarted = seen
+                .last
+                .as_ref()
+                .is_some_and(|before| engine_metrics::restarted(before, &snapshot));
+            let Some(dropped) = shared.engine_scraped(address, &snapshot, restarted) else {
+                return;
+            };
             if seen.failures >= limit {
                 info!(worker = address, "worker back up");
                 shared.metrics.observe_worker_event("up");
             }
             seen.failures = 0;
             seen.up_once = true;
-            router.set_healthy(id, true);
-            if let Some(before) = &seen.last
-                && engine_metrics::restarted(before, &snapshot)
-            {
-                let dropped = router.restart(id);
+            if restarted {
                 info!(
                     worker = address,
                     dropped, "engine restarted or reset its cache: its blocks are forgotten"
                 );
                 shared.metrics.observe_worker_event("restart");
-            }
-            if let Some(waiting) = snapshot.waiting {
-                router.set_engine_waiting(id, waiting);
-            }
-            router.set_engine_activity(id, snapshot.running, snapshot.kv_usage);
-            if let Some(tokens) = snapshot.block_size_tokens {
-                router.set_engine_block_tokens(id, tokens);
-            }
-            if let Some(tokens) = snapshot.capacity_tokens {
-                router.set_engine_capacity_tokens(id, tokens);
             }
             seen.last = Some(snapshot);
         }
@@ -137,16 +131,14 @@ pub(crate) async fn resolve_workers(shared: Shared, names: Vec<String>, interval
         if failed {
             continue;
         }
-        let mut router = shared.router();
-        for addr in current.difference(&known) {
-            let id = router.add_worker(&addr.to_string());
+        let appeared: Vec<String> = current.difference(&known).map(ToString::to_string).collect();
+        let vanished: Vec<String> = known.difference(&current).map(ToString::to_string).collect();
+        let (added, removed) = shared.add_and_remove_workers(&appeared, &vanished);
+        for (addr, id) in appeared.iter().zip(added) {
             info!(worker = %addr, id = id.0, "worker discovered");
         }
-        for addr in known.difference(&current) {
-            if let Some(id) = router.worker_id(&addr.to_string()) {
-                router.remove(id);
-                info!(worker = %addr, "worker gone from DNS: removed");
-            }
+        for addr in removed {
+            info!(worker = %addr, "worker gone from DNS: removed");
         }
         known = current;
     }
@@ -157,22 +149,37 @@ pub(crate) async fn expire_sessions(shared: Shared, interval: Duration) {
     let mut ticker = tokio::time::interval(interval);
     loop {
         ticker.tick().await;
-        // In steps, the router's lock released between them.
         let now = now_ms();
-        let mut ended = 0;
-        loop {
-            let step = shared.router().expire_sessions(now);
-            ended += step;
-            if step < kvmesh_core::EXPIRE_STEP {
-                break;
-            }
-        }
-        // Off the async workers: a pass is tens of ms of steps at 100,000
-        // sessions, and the gRPC streams share those threads.
+        // Both off the async workers: each is tens of ms of steps and
+        // pauses at 100,000 sessions, and the gRPC streams share those
+        // threads. An expiry that panicked ended nothing.
+        let expiring = shared.clone();
+        let ended = tokio::task::spawn_blocking(move || end_idle_sessions(&expiring, now))
+            .await
+            .unwrap_or(0);
         let ticking = shared.clone();
         let _ = tokio::task::spawn_blocking(move || ticking.tick_insights()).await;
         if ended > 0 {
             info!(ended, "idle sessions ended");
         }
+    }
+}
+
+/// Ends every session idle past its TTL at `now`, one step of
+/// [`kvmesh_core::EXPIRE_STEP`] sessions per hold of the router's lock;
+/// returns how many it ended.
+fn end_idle_sessions(shared: &Shared, now: u64) -> usize {
+    let mut ended = 0;
+    loop {
+        let step = shared.expire_sessions_step(now);
+        ended += step;
+        if step < kvmesh_core::EXPIRE_STEP {
+            return ended;
+        }
+        // Another step follows. Taken again at once, the lock (not fair)
+        // would stay with this thread while the Picks it woke are still
+        // being scheduled, and a mass expiry would hold them for all its
+        // steps: the pause lets them in, as in the ledger's tick.
+        crate::state::between_locks();
     }
 }

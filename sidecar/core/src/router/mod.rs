@@ -17,8 +17,8 @@
 //!
 //! With `spread_floor` below 1, the sessions and recent terms are scaled
 //! by `floor + (1 − floor) · utilization(w)`, the worker's recent share of
-//! time spent prefilling (an experiment, off by default: docs/benchmarks.md,
-//! "tau-bench with its system prompts").
+//! time spent prefilling (an experiment, off by default: docs/benchmarks-history.md,
+//! "tau-bench with its system prompts, pressured KV (compare)").
 //!
 //! `uncached(w)` is the request's tokens minus the leading blocks `w` holds
 //! (a block in its host tier only counts `host_hit_credit` of one),
@@ -160,7 +160,7 @@ impl Default for RouterConfig {
             // 300-token answer, against ~50 µs to recompute a prompt token
             // at 20 tokens per ms), but a session that moves for it
             // recomputes its prefix. Measured on the closed-loop agent
-            // workloads (docs/benchmarks.md, 5 seeds): 0.1 balances
+            // workloads (docs/benchmarks-history.md, 5 seeds): 0.1 balances
             // gen-agents' prefill better (imbalance 1.23 → 1.20) for 5.5 %
             // more prefill there and 1.1 % more on tau-bench; 0.05 computes
             // the least.
@@ -173,7 +173,7 @@ impl Default for RouterConfig {
             // back: with `retention` each block counts its chance of that,
             // so the term is the expected recompute, at the prefill's own
             // weight. (Every block in full, the term's weight was 0.2.) On
-            // the long-tool-wait workload of docs/benchmarks.md 1.0 computed
+            // the long-tool-wait workload of docs/benchmarks-history.md 1.0 computed
             // 4.4 % less prefill than the term without retention, 0.2 1.2 %
             // more; the other workloads within 0.2 %.
             eviction_weight: 1.0,
@@ -186,7 +186,7 @@ impl Default for RouterConfig {
             // A new session weighs the prefill a worker did lately: on the
             // closed-loop agent workloads (5 seeds) 0.2 computed 11 % less
             // prefill than 0.05 with a lower TTFT p99 and imbalance
-            // (docs/benchmarks.md, "The corrected field").
+            // (docs/benchmarks-history.md, "The corrected field").
             recent_prefill_weight: 0.2,
             spread_floor: 1.0,
             index_budget_bytes: 1 << 30,

@@ -67,8 +67,9 @@ const NIL: u32 = u32::MAX;
 #[derive(Debug, Clone)]
 pub(super) struct HolderSets {
     table: HolderTable,
-    /// Filled by pushes a chunk at a time; freed slots are a list threaded
-    /// through their `count` fields.
+    /// Filled by pushes a chunk at a time; freed slots have a count of 0
+    /// (a live set's is at least [`MIN_HOLDERS`]) and are a list threaded
+    /// through their `signature_lo` fields.
     chunks: Vec<Vec<HolderSet>>,
     len: usize,
     free_head: u32,
@@ -104,9 +105,25 @@ impl HolderSets {
 
     /// How many workers hold `hash` and their signature, when
     /// [`MIN_HOLDERS`] or more do.
+    #[cfg(test)]
     pub(super) fn get(&self, hash: u64) -> Option<(u32, u64)> {
         let set = self.slot(self.find(hash)?);
         Some((set.count, set.signature()))
+    }
+
+    /// `get`, trying the set just below `near` first, and also returning
+    /// where the set was found (the next block's `near`). A placement
+    /// gives a prefix's blocks their sets last block first, so the next
+    /// block's set is most often there: one read in place of a table probe.
+    pub(super) fn get_near(&self, hash: u64, near: u32) -> Option<(u32, u32, u64)> {
+        let guess = near.wrapping_sub(1);
+        let id = if (guess as usize) < self.len && self.slot(guess).hash() == hash && self.slot(guess).count != 0 {
+            guess
+        } else {
+            self.find(hash)?
+        };
+        let set = self.slot(id);
+        Some((id, set.count, set.signature()))
     }
 
     /// Blocks with a set.
@@ -165,7 +182,7 @@ impl HolderSets {
     fn alloc(&mut self, set: HolderSet) -> u32 {
         if self.free_head != NIL {
             let id = self.free_head;
-            self.free_head = self.slot(id).count;
+            self.free_head = self.slot(id).signature_lo;
             self.free_len -= 1;
             *self.slot_mut(id) = set;
             return id;
@@ -186,8 +203,8 @@ impl HolderSets {
         *self.slot_mut(id) = HolderSet {
             hash_lo: 0,
             hash_hi: 0,
-            count: next,
-            signature_lo: 0,
+            count: 0,
+            signature_lo: next,
             signature_hi: 0,
         };
         self.free_head = id;

@@ -561,6 +561,8 @@ impl PrefixIndex {
         // holder chain. A worker that stops writes its run's end; nothing
         // else is written per step.
         let mut ended_at = hashes.len();
+        // Where the last block's holder set was found (see `get_near`).
+        let mut near_set = NIL;
         for (i, &hash) in hashes.iter().enumerate().skip(1) {
             if alive.len() <= 1 {
                 // One worker left, the common case past a shared prefix (a
@@ -577,7 +579,7 @@ impl PrefixIndex {
                 // Host-only blocks are counted per worker: a node read each.
                 self.step_together::<true>(&mut alive, i, hash);
             } else {
-                self.step_by_set(&mut alive, &mut signature, i, hash);
+                self.step_by_set(&mut alive, &mut signature, &mut near_set, i, hash);
             }
         }
         // Workers still matching at the end (several held every block).
@@ -616,10 +618,16 @@ impl PrefixIndex {
     /// stepped by their set are not followed, so they may be stale: every
     /// way checks what it reads, and the chain's way refreshes them (so
     /// fewer than [`MIN_HOLDERS`] left, they are fresh).
-    fn step_by_set(&mut self, alive: &mut Vec<Walker>, signature: &mut u64, i: usize, hash: u64) {
-        let holders = match self.holder_sets.get(hash) {
-            Some((count, set)) if count as usize == alive.len() && set == *signature => return,
-            Some((count, _)) => count as usize,
+    fn step_by_set(&mut self, alive: &mut Vec<Walker>, signature: &mut u64, near: &mut u32, i: usize, hash: u64) {
+        let holders = match self.holder_sets.get_near(hash, *near) {
+            Some((id, count, set)) if count as usize == alive.len() && set == *signature => {
+                *near = id;
+                return;
+            }
+            Some((id, count, _)) => {
+                *near = id;
+                count as usize
+            }
             None => MIN_HOLDERS as usize - 1,
         };
         let matching = alive.len();
@@ -660,7 +668,9 @@ impl PrefixIndex {
         }
         // Workers only ever leave: the same number is the same workers.
         if alive.len() != matching {
-            *signature = alive.iter().fold(0u64, |sum, walker| sum.wrapping_add(mark(walker.worker)));
+            *signature = alive
+                .iter()
+                .fold(0u64, |sum, walker| sum.wrapping_add(mark(walker.worker)));
         }
     }
 
@@ -838,8 +848,7 @@ impl PrefixIndex {
                     self.set_first(hash, node);
                     if next_holder != NIL {
                         let nodes = &self.nodes;
-                        self.holder_sets
-                            .add(hash, worker_u32, || holder_set_of(nodes, node));
+                        self.holder_sets.add(hash, worker_u32, || holder_set_of(nodes, node));
                     }
                     self.workers[w].len += 1;
                     node
@@ -1028,7 +1037,13 @@ impl PrefixIndex {
             };
             let guess = previous.wrapping_sub(1);
             let linked = (previous != NIL)
-                .then(|| if holds(guess) { guess } else { self.nodes[previous as usize].successor })
+                .then(|| {
+                    if holds(guess) {
+                        guess
+                    } else {
+                        self.nodes[previous as usize].successor
+                    }
+                })
                 .filter(|&s| s != NIL && holds(s));
             let node = linked.or_else(|| self.find(worker, hash)).unwrap_or(NIL);
             placed.push(node);

@@ -15,10 +15,11 @@
 //! Only a block held by [`MIN_HOLDERS`] or more workers has a set: most
 //! blocks are a session's own, on its home only, and a block on a few
 //! workers is stepped as cheaply through its holder chain. A set costs
-//! about 25 bytes, so at most about 3 bytes per entry. Sets live in a slab
-//! of fixed-size chunks found through a [`HolderTable`], which grows
+//! about 25 bytes, so at most about 3 bytes per entry. Sets live in an
+//! [`Arena`], as the nodes do, found through a [`HolderTable`], which grows
 //! without a stop-the-world rehash.
 
+use super::arena::{Arena, Slot};
 use super::holders::HolderTable;
 
 /// One shared block: its hash (split so the entry aligns to 4), how many
@@ -59,44 +60,47 @@ pub(super) fn mark(worker: u32) -> u64 {
     crate::splitmix64(u64::from(worker) ^ 0x6b76_6d65_7368_0001)
 }
 
-const CHUNK_BITS: usize = 12;
-const CHUNK: usize = 1 << CHUNK_BITS;
-const NIL: u32 = u32::MAX;
+impl Slot for HolderSet {
+    /// A freed set has a count of 0 (a live one's is at least
+    /// [`MIN_HOLDERS`]), its link in `signature_lo`.
+    fn freed(next_free: u32) -> Self {
+        HolderSet {
+            hash_lo: 0,
+            hash_hi: 0,
+            count: 0,
+            signature_lo: next_free,
+            signature_hi: 0,
+        }
+    }
+
+    fn next_free(&self) -> u32 {
+        self.signature_lo
+    }
+}
 
 /// Block hash → (holders, signature) for blocks held by [`MIN_HOLDERS`] or more.
 #[derive(Debug, Clone)]
 pub(super) struct HolderSets {
     table: HolderTable,
-    /// Filled by pushes a chunk at a time; freed slots have a count of 0
-    /// (a live set's is at least [`MIN_HOLDERS`]) and are a list threaded
-    /// through their `signature_lo` fields.
-    chunks: Vec<Vec<HolderSet>>,
-    len: usize,
-    free_head: u32,
-    free_len: usize,
+    sets: Arena<HolderSet, 12>,
 }
 
 impl Default for HolderSets {
     fn default() -> Self {
         Self {
             table: HolderTable::default(),
-            chunks: Vec::new(),
-            len: 0,
-            free_head: NIL,
-            free_len: 0,
+            sets: Arena::new(),
         }
     }
 }
 
 impl HolderSets {
     fn slot(&self, id: u32) -> &HolderSet {
-        let id = id as usize;
-        &self.chunks[id >> CHUNK_BITS][id & (CHUNK - 1)]
+        &self.sets[id as usize]
     }
 
     fn slot_mut(&mut self, id: u32) -> &mut HolderSet {
-        let id = id as usize;
-        &mut self.chunks[id >> CHUNK_BITS][id & (CHUNK - 1)]
+        &mut self.sets[id as usize]
     }
 
     fn find(&self, hash: u64) -> Option<u32> {
@@ -117,10 +121,9 @@ impl HolderSets {
     /// block's set is most often there: one read in place of a table probe.
     pub(super) fn get_near(&self, hash: u64, near: u32) -> Option<(u32, u32, u64)> {
         let guess = near.wrapping_sub(1);
-        let id = if (guess as usize) < self.len && self.slot(guess).hash() == hash && self.slot(guess).count != 0 {
-            guess
-        } else {
-            self.find(hash)?
+        let id = match self.sets.get(guess as usize) {
+            Some(set) if set.hash() == hash && set.count != 0 => guess,
+            _ => self.find(hash)?,
         };
         let set = self.slot(id);
         Some((id, set.count, set.signature()))
@@ -128,7 +131,7 @@ impl HolderSets {
 
     /// Blocks with a set.
     pub(super) fn len(&self) -> usize {
-        self.len - self.free_len
+        self.sets.live()
     }
 
     /// One more worker, `worker`, holds `hash`; `holders` (called only
@@ -153,12 +156,9 @@ impl HolderSets {
             signature_hi: 0,
         };
         set.set_signature(signature);
-        let id = self.alloc(set);
-        let chunks = &self.chunks;
-        self.table.set(hash, id, |id| {
-            let id = id as usize;
-            chunks[id >> CHUNK_BITS][id & (CHUNK - 1)].hash()
-        });
+        let id = self.sets.alloc(set);
+        let sets = &self.sets;
+        self.table.set(hash, id, |id| sets[id as usize].hash());
     }
 
     /// `worker` no longer holds `hash`: its set shrinks, and goes below
@@ -170,54 +170,13 @@ impl HolderSets {
         let signature = set.signature().wrapping_sub(mark(worker));
         set.set_signature(signature);
         if set.count < MIN_HOLDERS {
-            let chunks = &self.chunks;
-            self.table.remove(hash, |id| {
-                let id = id as usize;
-                chunks[id >> CHUNK_BITS][id & (CHUNK - 1)].hash()
-            });
-            self.free(id);
+            let sets = &self.sets;
+            self.table.remove(hash, |id| sets[id as usize].hash());
+            self.sets.free(id);
         }
-    }
-
-    fn alloc(&mut self, set: HolderSet) -> u32 {
-        if self.free_head != NIL {
-            let id = self.free_head;
-            self.free_head = self.slot(id).signature_lo;
-            self.free_len -= 1;
-            *self.slot_mut(id) = set;
-            return id;
-        }
-        if self.len.is_multiple_of(CHUNK) {
-            self.chunks.push(Vec::with_capacity(CHUNK));
-        }
-        let id = self.len;
-        if let Some(chunk) = self.chunks.last_mut() {
-            chunk.push(set);
-            self.len += 1;
-        }
-        id as u32
-    }
-
-    fn free(&mut self, id: u32) {
-        let next = self.free_head;
-        *self.slot_mut(id) = HolderSet {
-            hash_lo: 0,
-            hash_hi: 0,
-            count: 0,
-            signature_lo: next,
-            signature_hi: 0,
-        };
-        self.free_head = id;
-        self.free_len += 1;
     }
 
     pub(super) fn memory_bytes(&self) -> usize {
-        self.table.allocation_size()
-            + self
-                .chunks
-                .iter()
-                .map(|c| c.capacity() * size_of::<HolderSet>())
-                .sum::<usize>()
-            + self.chunks.capacity() * size_of::<Vec<HolderSet>>()
+        self.table.allocation_size() + self.sets.allocated_bytes()
     }
 }

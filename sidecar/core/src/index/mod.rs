@@ -19,10 +19,12 @@
 //! the cost sees, and the copy matters only once the GPU one goes, which is
 //! when it moves to the host list.
 
+mod arena;
 mod holder_sets;
 mod holders;
 
 use crate::WorkerId;
+use arena::{Arena, Slot};
 use holder_sets::{HolderSets, MIN_HOLDERS, mark};
 use holders::HolderTable;
 
@@ -91,26 +93,10 @@ impl Node {
     }
 }
 
-/// Nodes in fixed-size chunks: the arena grows a chunk at a time, never by
-/// doubling, so at tens of millions of entries it holds no more than one
-/// partly used chunk (a doubling vector holds up to twice what it needs).
-/// A chunk is filled by pushes, so its pages are touched as nodes arrive
-/// (a chunk written whole when it is added, 1.8 MB, stalls the Pick that
-/// adds it by a few hundred µs). Freed nodes are a list threaded through
-/// their `next_holder` fields: a node freed by an eviction is the next one
-/// allocated, and the free list costs no byte (it was a `Vec<u32>` of 4
-/// bytes per freed node, grown by doubling: one more copy of millions of
-/// ids inside some Pick).
-#[derive(Debug, Clone, Default)]
-struct Arena {
-    chunks: Vec<Vec<Node>>,
-    len: usize,
-    free_head: u32,
-    free_len: usize,
-}
-
-const CHUNK_BITS: usize = 16;
-const CHUNK: usize = 1 << CHUNK_BITS;
+/// The index's nodes, in chunks of 2^16 (see [`Arena`]): freed nodes are
+/// a list threaded through their `next_holder` fields, so a node freed by
+/// an eviction is the next one allocated.
+type Nodes = Arena<Node, 16>;
 
 /// What a freed node holds: never a match for the walk.
 const UNUSED: Node = Node {
@@ -123,82 +109,18 @@ const UNUSED: Node = Node {
     worker_tier: NIL,
 };
 
-impl Arena {
-    fn new() -> Self {
-        Self {
-            free_head: NIL,
-            ..Self::default()
-        }
-    }
-
-    /// Nodes in use.
-    fn live(&self) -> usize {
-        self.len - self.free_len
-    }
-
-    /// The node at `index`, if there is one (two bounds checks, as
-    /// indexing does: the chunks are filled by pushes, so a chunk holds no
-    /// slot past `len`).
-    fn get(&self, index: usize) -> Option<&Node> {
-        self.chunks.get(index >> CHUNK_BITS)?.get(index & (CHUNK - 1))
-    }
-
-    fn get_mut(&mut self, index: usize) -> Option<&mut Node> {
-        (index < self.len).then(|| &mut self[index])
-    }
-
-    /// Stores `node`, in a freed slot if there is one.
-    fn alloc(&mut self, node: Node) -> u32 {
-        if self.free_head != NIL {
-            let slot = self.free_head;
-            self.free_head = self[slot as usize].next_holder;
-            self.free_len -= 1;
-            self[slot as usize] = node;
-            return slot;
-        }
-        if self.len.is_multiple_of(CHUNK) {
-            self.chunks.push(Vec::with_capacity(CHUNK));
-        }
-        let slot = self.len;
-        if let Some(chunk) = self.chunks.last_mut() {
-            chunk.push(node);
-            self.len += 1;
-        }
-        slot as u32
-    }
-
-    /// Returns `index` to the free list; it must never pass a successor
-    /// check again (its worker is `NIL`, which no worker is).
-    fn free(&mut self, index: u32) {
-        let next = self.free_head;
-        self[index as usize] = Node {
-            next_holder: next,
+impl Slot for Node {
+    /// A freed node must never pass a successor check again: its worker is
+    /// `NIL`, which no worker is.
+    fn freed(next_free: u32) -> Self {
+        Node {
+            next_holder: next_free,
             ..UNUSED
-        };
-        self.free_head = index;
-        self.free_len += 1;
+        }
     }
 
-    fn allocated_bytes(&self) -> usize {
-        self.chunks
-            .iter()
-            .map(|c| c.capacity() * size_of::<Node>())
-            .sum::<usize>()
-            + self.chunks.capacity() * size_of::<Vec<Node>>()
-    }
-}
-
-impl std::ops::Index<usize> for Arena {
-    type Output = Node;
-
-    fn index(&self, index: usize) -> &Node {
-        &self.chunks[index >> CHUNK_BITS][index & (CHUNK - 1)]
-    }
-}
-
-impl std::ops::IndexMut<usize> for Arena {
-    fn index_mut(&mut self, index: usize) -> &mut Node {
-        &mut self.chunks[index >> CHUNK_BITS][index & (CHUNK - 1)]
+    fn next_free(&self) -> u32 {
+        self.next_holder
     }
 }
 
@@ -258,7 +180,7 @@ pub struct PrefixIndex {
     /// worker still matching at once while a block's holders are exactly
     /// them.
     holder_sets: HolderSets,
-    nodes: Arena,
+    nodes: Nodes,
     /// Each worker's GPU list, and its host list (capacity 0: no host tier).
     workers: Vec<WorkerList>,
     hosts: Vec<WorkerList>,
@@ -318,7 +240,7 @@ impl PrefixIndex {
         Self {
             first_holder: HolderTable::default(),
             holder_sets: HolderSets::default(),
-            nodes: Arena::new(),
+            nodes: Nodes::new(),
             workers: Vec::new(),
             hosts: Vec::new(),
             last_match: Vec::new(),
@@ -374,7 +296,7 @@ impl PrefixIndex {
     /// chunk plus [`MAX_BYTES_PER_ENTRY`] per entry. Returns the entries
     /// that now fit; evicts down to them at once.
     pub fn set_byte_budget(&mut self, bytes: usize) -> usize {
-        let fixed = CHUNK * size_of::<Node>();
+        let fixed = Nodes::CHUNK * size_of::<Node>();
         let entries = (bytes.saturating_sub(fixed) / MAX_BYTES_PER_ENTRY).max(1);
         self.entry_budget = Some(entries);
         self.evict_over_budget();
@@ -1188,7 +1110,7 @@ impl PrefixIndex {
 /// How many workers the holder chain from `node` lists, and the sum of
 /// their marks: a block's holder set, built whole when it gets its second
 /// holder.
-fn holder_set_of(nodes: &Arena, mut node: u32) -> (u32, u64) {
+fn holder_set_of(nodes: &Nodes, mut node: u32) -> (u32, u64) {
     let (mut count, mut signature) = (0u32, 0u64);
     while node != NIL {
         let n = &nodes[node as usize];
@@ -1200,7 +1122,7 @@ fn holder_set_of(nodes: &Arena, mut node: u32) -> (u32, u64) {
 }
 
 /// `worker`'s node in the holder chain of `nodes` starting at `node`.
-fn holder_in(nodes: &Arena, mut node: u32, worker: u32) -> Option<u32> {
+fn holder_in(nodes: &Nodes, mut node: u32, worker: u32) -> Option<u32> {
     while node != NIL {
         let n = &nodes[node as usize];
         if n.worker() == worker {

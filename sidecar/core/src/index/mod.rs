@@ -266,10 +266,13 @@ impl PrefixIndex {
         self.first_holder.find(hash, |n| nodes[n as usize].hash())
     }
 
-    /// Makes `node` the first holder of its block (inserting the block).
-    fn set_first(&mut self, hash: u64, node: u32) {
+    /// Makes `node` the first holder of its block (inserting the block);
+    /// returns the first holder it replaced, `NIL` when the block is new.
+    fn set_first(&mut self, hash: u64, node: u32) -> u32 {
         let nodes = &self.nodes;
-        self.first_holder.set(hash, node, |n| nodes[n as usize].hash());
+        self.first_holder
+            .set(hash, node, |n| nodes[n as usize].hash())
+            .unwrap_or(NIL)
     }
 
     fn remove_block(&mut self, hash: u64) {
@@ -765,9 +768,11 @@ impl PrefixIndex {
                     self.workers[w].len += 1;
                     found
                 } else {
-                    let next_holder = self.first_of(hash).unwrap_or(NIL);
-                    let node = self.nodes.alloc(Node::new(hash, worker_u32, next_holder));
-                    self.set_first(hash, node);
+                    // One probe of the block table: the new node becomes the
+                    // block's first holder, ahead of the one it replaces.
+                    let node = self.nodes.alloc(Node::new(hash, worker_u32, NIL));
+                    let next_holder = self.set_first(hash, node);
+                    self.nodes[node as usize].next_holder = next_holder;
                     if next_holder != NIL {
                         let nodes = &self.nodes;
                         self.holder_sets.add(hash, worker_u32, || holder_set_of(nodes, node));

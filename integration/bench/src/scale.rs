@@ -169,6 +169,35 @@ fn gauge(metrics: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// The sum of a counter's series (`name{labels} value` or `name value`).
+fn counter_sum(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && matches!(l.as_bytes().get(name.len()), Some(b'{' | b' ')))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Waits until the sidecar has applied `outcomes` outcomes (its
+/// `kvmesh_reports_total`), polling every 50 ms, at most 30 s; returns how
+/// long it waited. The first calls are sent as fast as they are answered,
+/// and their outcomes are still being applied when the last reply is in:
+/// a steady phase started then would measure that backlog, not the steady
+/// state.
+async fn settle(http: &reqwest::Client, admin: std::net::SocketAddr, outcomes: u64) -> Duration {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(30) {
+        if let Ok(reply) = http.get(format!("http://{admin}/metrics")).send().await
+            && let Ok(text) = reply.text().await
+            && counter_sum(&text, "kvmesh_reports_total") >= outcomes as f64
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    started.elapsed()
+}
+
 /// One `/metrics` scrape: when, index entries, live sessions, how long it took.
 type Scrape = (Instant, f64, f64, Duration);
 
@@ -342,10 +371,13 @@ async fn drive(
     let mut replies = picker.pick_stream(pick_stream).await?.into_inner();
 
     let pending: Arc<Mutex<HashMap<u64, Sent>>> = Arc::default();
+    // Outcomes handed to the report stream, for `settle`.
+    let outcomes_sent: Arc<std::sync::atomic::AtomicU64> = Arc::default();
     let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
     let window = Arc::new(Semaphore::new(WARM_WINDOW));
     let receiver = {
         let (pending, samples, window) = (pending.clone(), samples.clone(), window.clone());
+        let outcomes_sent = outcomes_sent.clone();
         tokio::spawn(async move {
             while let Some(reply) = replies.next().await {
                 let reply = reply?;
@@ -365,13 +397,18 @@ async fn drive(
                 // The engine cached what the router predicted.
                 let prompt = sent.blocks * TOKENS_PER_BLOCK;
                 let cached = (u64::from(reply.predicted_cached_blocks) * TOKENS_PER_BLOCK).min(prompt);
-                let _ = outcome_tx.send(Outcome {
-                    pick_id: reply.pick_id,
-                    destination: reply.destinations.first().cloned().unwrap_or_default(),
-                    prompt_tokens: Some(prompt),
-                    cached_tokens: Some(cached),
-                    ..Outcome::default()
-                });
+                if outcome_tx
+                    .send(Outcome {
+                        pick_id: reply.pick_id,
+                        destination: reply.destinations.first().cloned().unwrap_or_default(),
+                        prompt_tokens: Some(prompt),
+                        cached_tokens: Some(cached),
+                        ..Outcome::default()
+                    })
+                    .is_ok()
+                {
+                    outcomes_sent.fetch_add(1, Ordering::Relaxed);
+                }
             }
             anyhow::Ok(())
         })
@@ -414,6 +451,7 @@ async fn drive(
     let mut seed = options.seed ^ sessions as u64;
     let length = Duration::from_secs(options.phase_secs);
     let warm_took = driver.warm(1, sessions, Phase::Warm).await?;
+    let settled = settle(&http, admin, outcomes_sent.load(Ordering::Relaxed)).await;
     let mut calls = vec![0u64; sessions];
     let steady_started = Instant::now();
     driver
@@ -461,6 +499,7 @@ async fn drive(
     };
     let mut wave2_window = None;
     let mut warm2_took = Duration::ZERO;
+    let mut settled2 = Duration::ZERO;
     if !options.one_wave {
         // Wave 1 expires: its last call was just now, and the sidecar ends
         // sessions on a 10 s tick.
@@ -474,6 +513,7 @@ async fn drive(
         );
         print_sizes(&http, admin, "after expiry").await;
         warm2_took = driver.warm(2, sessions, Phase::Wave2Warm).await?;
+        settled2 = settle(&http, admin, outcomes_sent.load(Ordering::Relaxed)).await;
         let mut calls2 = vec![0u64; sessions];
         let started = Instant::now();
         driver
@@ -496,11 +536,13 @@ async fn drive(
     let samples = samples.lock().map(|s| s.clone()).unwrap_or_default();
     println!();
     println!(
-        "sessions {sessions}, {} workers, {} Picks/s offered, session TTL {ttl_secs} s; first calls of wave 1 took {:.1} s, of wave 2 {:.1} s",
+        "sessions {sessions}, {} workers, {} Picks/s offered, session TTL {ttl_secs} s; first calls of wave 1 took {:.1} s (their outcomes applied {:.2} s later), of wave 2 {:.1} s ({:.2} s)",
         options.workers,
         options.rate,
         warm_took.as_secs_f64(),
-        warm2_took.as_secs_f64()
+        settled.as_secs_f64(),
+        warm2_took.as_secs_f64(),
+        settled2.as_secs_f64()
     );
     println!("| phase | Picks | answered in 50 ms /s | p50 | p99 | max |");
     println!("|---|---|---|---|---|---|");

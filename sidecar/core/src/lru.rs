@@ -295,6 +295,17 @@ impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
         self.entries.capacity()
     }
 
+    /// Live entries and the bytes of the table and the touch queue: what a
+    /// test of the tables' memory over waves of sessions compares.
+    #[cfg(test)]
+    pub(crate) fn footprint(&self) -> crate::tests::Footprint {
+        crate::tests::Footprint {
+            len: self.entries.len(),
+            table_bytes: self.entries.allocation_size(),
+            queue_bytes: (self.order.head.capacity() + self.order.tail.capacity()) * size_of::<(u64, K)>(),
+        }
+    }
+
     /// The stamp of the newest touch: entries touched later have larger ones.
     pub fn stamp(&self) -> u64 {
         self.clock

@@ -422,6 +422,26 @@ impl RetentionValues {
         }
     }
 
+    /// The router ended `session`, idle past the session TTL: its follow
+    /// ends with it, so retention follows no session the router no longer
+    /// keeps. (Kept until `max_sessions` pushed them out, an expired wave's
+    /// follows shared the table with the next wave's, and that churn at the
+    /// bound doubled the table: 14 to 28 MiB at 100,000 sessions,
+    /// `tests/session_memory.rs`.) A follow no Pick has yet counted gone
+    /// is counted now: idle past the TTL, it is past its class's horizon
+    /// (`gone_after_ms`). Its blocks stay among the worker's residents:
+    /// the engine evicts them, not the TTL.
+    pub fn end_session(&mut self, session: String, now_ms: u64) {
+        let Some(follow) = self.live.remove(session.as_str()) else {
+            return;
+        };
+        if let Some(deadline) = follow.deadline_ms {
+            let idle = now_ms.saturating_sub(follow.idle_since_ms);
+            self.learn(&follow.class, |h| h.observe_gone(idle));
+            self.deadlines.remove(&(deadline, session));
+        }
+    }
+
     /// The call of `session` was answered at `now_ms`: its idle time
     /// starts there.
     pub fn on_answer(&mut self, session: &str, now_ms: u64) {
@@ -522,6 +542,30 @@ impl RetentionValues {
             .map(|(_, r)| r.blocks as f64 * self.p_return(r, now_ms))
             .sum();
         (self.resident_blocks.get(worker.0).copied().unwrap_or(0), valued)
+    }
+
+    /// The session-keyed tables: the follows, their deadlines and every
+    /// worker's residents together (see `crate::tests::Footprint`).
+    #[cfg(test)]
+    pub(crate) fn footprints(&self) -> Vec<(&'static str, crate::tests::Footprint)> {
+        let residents =
+            self.residents
+                .iter()
+                .map(LruMap::footprint)
+                .fold(crate::tests::Footprint::default(), |sum, f| crate::tests::Footprint {
+                    len: sum.len + f.len,
+                    table_bytes: sum.table_bytes + f.table_bytes,
+                    queue_bytes: sum.queue_bytes + f.queue_bytes,
+                });
+        let deadlines = crate::tests::Footprint {
+            len: self.deadlines.len(),
+            ..Default::default()
+        };
+        vec![
+            ("retention live", self.live.footprint()),
+            ("retention deadlines", deadlines),
+            ("retention residents", residents),
+        ]
     }
 
     /// Deadlines waiting (at most one per followed session).

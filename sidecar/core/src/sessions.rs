@@ -91,6 +91,12 @@ impl SessionTable {
         self.carriers.claim(trace, session);
     }
 
+    /// The bindings' table (see `crate::tests::Footprint`).
+    #[cfg(test)]
+    pub(crate) fn footprint(&self) -> crate::tests::Footprint {
+        self.bindings.footprint()
+    }
+
     /// Trace ids remembered (at most `MAX_TRACE_CARRIERS`).
     pub fn traces(&self) -> usize {
         self.carriers.len()
@@ -171,8 +177,9 @@ impl SessionTable {
     ///
     /// At most [`EXPIRE_STEP`] per call: a wave of sessions that ends
     /// together must not hold the router's lock for all of them (call again
-    /// while it returns `EXPIRE_STEP`).
-    pub fn expire(&mut self, now_ms: u64) -> usize {
+    /// while it returns `EXPIRE_STEP`). `ended_session` is handed each ended
+    /// session, for what else the router keeps per session.
+    pub fn expire(&mut self, now_ms: u64, mut ended_session: impl FnMut(String)) -> usize {
         let ttl = self.ttl_ms;
         let mut ended = 0;
         while ended < EXPIRE_STEP
@@ -183,6 +190,7 @@ impl SessionTable {
             }
             if let Some((gone_session, gone)) = self.bindings.pop_oldest() {
                 self.forget(&gone_session, &gone);
+                ended_session(gone_session);
                 ended += 1;
             }
         }

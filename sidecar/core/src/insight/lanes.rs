@@ -57,6 +57,11 @@ impl Lanes {
         self.tallies.len()
     }
 
+    #[cfg(test)]
+    pub(super) fn footprint(&self) -> crate::tests::Footprint {
+        self.tallies.footprint()
+    }
+
     /// Counts a call of `session` in `lane`. True when it is a main call
     /// that starts a new prefix epoch (a compaction came since the
     /// session's last main call).

@@ -904,6 +904,22 @@ impl Insights {
         points
     }
 
+    /// The ledger's session-keyed tables (see `crate::tests::Footprint`).
+    #[cfg(test)]
+    pub(crate) fn footprints(&self) -> Vec<(&'static str, crate::tests::Footprint)> {
+        let tenants = crate::tests::Footprint {
+            len: self.tenant_ids.len(),
+            table_bytes: self.tenant_ids.allocation_size(),
+            queue_bytes: 0,
+        };
+        vec![
+            ("ledger traces", self.traces.footprint()),
+            ("ledger pending", self.pending.footprint()),
+            ("ledger lane tallies", self.lanes.footprint()),
+            ("ledger tenant_ids", tenants),
+        ]
+    }
+
     /// Sessions followed.
     pub fn sessions(&self) -> usize {
         self.traces.len()

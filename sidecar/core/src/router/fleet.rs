@@ -458,6 +458,23 @@ impl Router {
         self.last_pick.len()
     }
 
+    /// The router's session-keyed tables (see `crate::tests::Footprint`).
+    #[cfg(test)]
+    pub(crate) fn footprints(&self) -> Vec<(&'static str, crate::tests::Footprint)> {
+        let last_pick = crate::tests::Footprint {
+            len: self.last_pick.len(),
+            table_bytes: self.last_pick.allocation_size(),
+            queue_bytes: 0,
+        };
+        let mut all = vec![
+            ("router sessions", self.sessions.footprint()),
+            ("router pending", self.pending.footprint()),
+            ("router last_pick", last_pick),
+        ];
+        all.extend(self.retention.footprints());
+        all
+    }
+
     pub fn sessions(&self) -> &SessionTable {
         &self.sessions
     }
@@ -466,9 +483,11 @@ impl Router {
         &self.index
     }
 
-    /// Ends sessions idle past the TTL.
+    /// Ends sessions idle past the TTL, and retention's follows of them.
     pub fn expire_sessions(&mut self, now_ms: u64) -> usize {
-        self.sessions.expire(now_ms)
+        let retention = &mut self.retention;
+        self.sessions
+            .expire(now_ms, |session| retention.end_session(session, now_ms))
     }
 
     /// Answers which of `probes` the fleet holds now (a worker that takes

@@ -190,7 +190,7 @@ proptest! {
 
         let later = now + ttl / 2;
         let idle = reference.iter().filter(|(_, seen)| later - seen > ttl).count();
-        prop_assert_eq!(table.expire(later), idle);
+        prop_assert_eq!(table.expire(later, drop), idle);
         prop_assert_eq!(table.len(), reference.len() - idle);
         let hosted: u32 = (0..WORKERS).map(|w| table.hosted(WorkerId(w))).sum();
         prop_assert_eq!(hosted as usize, table.len());
@@ -203,9 +203,9 @@ fn expiry_ends_at_most_a_step_per_call() {
     for i in 0..2_500u64 {
         table.bind(&format!("s{i}"), None, WorkerId(0), i / 100);
     }
-    assert_eq!(table.expire(1_000), EXPIRE_STEP);
-    assert_eq!(table.expire(1_000), EXPIRE_STEP);
-    assert_eq!(table.expire(1_000), 500);
+    assert_eq!(table.expire(1_000, drop), EXPIRE_STEP);
+    assert_eq!(table.expire(1_000, drop), EXPIRE_STEP);
+    assert_eq!(table.expire(1_000, drop), 500);
     assert!(table.is_empty());
     assert_eq!(table.hosted(WorkerId(0)), 0);
 }

@@ -547,7 +547,7 @@ impl RetentionValues {
     /// The session-keyed tables: the follows, their deadlines and every
     /// worker's residents together (see `crate::tests::Footprint`).
     #[cfg(test)]
-    pub(crate) fn footprints(&self) -> Vec<(&'static str, crate::tests::Footprint)> {
+    pub(crate) fn footprints(&self) -> crate::tests::Footprints {
         let residents =
             self.residents
                 .iter()

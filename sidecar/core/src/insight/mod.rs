@@ -906,7 +906,7 @@ impl Insights {
 
     /// The ledger's session-keyed tables (see `crate::tests::Footprint`).
     #[cfg(test)]
-    pub(crate) fn footprints(&self) -> Vec<(&'static str, crate::tests::Footprint)> {
+    pub(crate) fn footprints(&self) -> crate::tests::Footprints {
         let tenants = crate::tests::Footprint {
             len: self.tenant_ids.len(),
             table_bytes: self.tenant_ids.allocation_size(),

@@ -460,7 +460,7 @@ impl Router {
 
     /// The router's session-keyed tables (see `crate::tests::Footprint`).
     #[cfg(test)]
-    pub(crate) fn footprints(&self) -> Vec<(&'static str, crate::tests::Footprint)> {
+    pub(crate) fn footprints(&self) -> crate::tests::Footprints {
         let last_pick = crate::tests::Footprint {
             len: self.last_pick.len(),
             table_bytes: self.last_pick.allocation_size(),

@@ -21,3 +21,6 @@ pub(crate) struct Footprint {
     pub(crate) table_bytes: usize,
     pub(crate) queue_bytes: usize,
 }
+
+/// Each named table's [`Footprint`].
+pub(crate) type Footprints = Vec<(&'static str, Footprint)>;

@@ -9,7 +9,7 @@
 //! table may hold more entries or room at the second wave's end than at
 //! the first's.
 
-use crate::tests::Footprint;
+use crate::tests::{Footprint, Footprints};
 use crate::{
     Call, EXPIRE_STEP, Harness, InsightConfig, Insights, Outcome, PickInput, Router, RouterConfig, splitmix64,
 };
@@ -152,7 +152,7 @@ impl Fleet {
         }
     }
 
-    fn footprints(&self) -> Vec<(&'static str, Footprint)> {
+    fn footprints(&self) -> Footprints {
         let mut all = self.router.footprints();
         all.extend(self.insights.footprints());
         all
@@ -162,7 +162,7 @@ impl Fleet {
 /// The tables at each point the bench reads RSS (and after the fetch loop
 /// and after expiry), printed; returns each table's largest during the
 /// first wave and its size at the second wave's end.
-fn two_waves(sessions: usize) -> (Vec<(&'static str, Footprint)>, Vec<(&'static str, Footprint)>) {
+fn two_waves(sessions: usize) -> (Footprints, Footprints) {
     // The bench's phases: 20 s at 2,000/s, i.e. 0.4 calls per session at
     // 100,000 (kept in proportion), and its TTL.
     let phase_picks = (sessions as u64 * 2 / 5).max(1);

@@ -11,7 +11,10 @@ use tracing::error;
 
 /// mimalloc, not glibc's malloc: at 100,000 sessions (`kvmesh-bench scale`)
 /// glibc's per-thread arenas kept what one wave of sessions freed away from
-/// the next, which grew RSS by 84-89 MiB (44 MiB with one arena).
+/// the next, which grew RSS by 84-89 MiB (44 MiB with one arena). Built
+/// without transparent huge pages (`no_thp`, in the workspace manifest):
+/// with them, 165-300 MiB of the sidecar's RSS was huge pages, and a second
+/// wave of sessions ended 3-13 MiB above the first (0-6 without).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -142,7 +142,7 @@ fn main() {
         "index entries {}, sessions {}, retention deadlines {}",
         fleet.router.index().entries(),
         fleet.router.sessions().len(),
-        fleet.router.retention().pending_deadlines()
+        fleet.router.sessions().pending_deadlines()
     );
     // Kept to the end, so that dhat's t-end shows what the core holds.
     std::mem::forget(fleet);

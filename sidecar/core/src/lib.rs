@@ -34,7 +34,7 @@ pub use router::{
     RouterConfig, Snapshot, WorkerId, WorkerLoad, WorkerState, WorkerView,
 };
 pub use seeded::splitmix64;
-pub use sessions::{EXPIRE_STEP, SessionTable};
+pub use sessions::{EXPIRE_STEP, SessionId, SessionStore};
 pub use usage::{MAX_BYTES_PER_TOKEN, TEMPLATE_TOKENS, UsageError, check_usage};
 
 #[cfg(test)]

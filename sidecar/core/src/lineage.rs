@@ -8,12 +8,13 @@
 //! - [`TraceId`]: a trace id as a client sends it, parsed once (exactly 32
 //!   hex digits, not all zero, or nothing);
 //! - `ParentName`: what a Pick's `parent_id` names;
-//! - `TraceCarriers`: each trace id's session, owned by the `SessionTable`,
+//! - `TraceCarriers`: each trace id's session, owned by the `SessionStore`,
 //!   which drops a session's entry with the session.
 
 use kvmesh_vocab::PARENT_BY_TRACE_PREFIX;
 
 use crate::lru::LruMap;
+use crate::sessions::SessionId;
 
 /// A W3C trace id: 16 bytes, sent as 32 hex digits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -70,17 +71,17 @@ impl<'a> ParentName<'a> {
 /// subagent's session holds its resolved parent. And a session keeps only
 /// the entry of its latest trace (the turn it is in), so there are never
 /// more entries than live sessions. 65,536 is far more OpenClaw turns than
-/// one sidecar has in progress at once, and costs at most about 25 MB at
-/// the longest session ids (`MAX_ID_BYTES`, kept twice by the LRU); past it
+/// one sidecar has in progress at once, at 16 bytes of trace id and 8 of
+/// session id an entry (the name stays in the session's record); past it
 /// the least recently carried trace is forgotten first.
 pub const MAX_TRACE_CARRIERS: usize = 65_536;
 
-/// Each remembered trace id's session. One owner, the `SessionTable`: an
+/// Each remembered trace id's session. One owner, the `SessionStore`: an
 /// entry goes when its session ends, when the session carries a newer
 /// trace, or by LRU at `MAX_TRACE_CARRIERS`.
 #[derive(Debug, Clone)]
 pub(crate) struct TraceCarriers {
-    sessions: LruMap<TraceId, String>,
+    sessions: LruMap<TraceId, SessionId>,
 }
 
 impl TraceCarriers {
@@ -95,24 +96,23 @@ impl TraceCarriers {
     }
 
     /// The session that carried `trace` last.
-    pub(crate) fn carrier(&self, trace: TraceId) -> Option<&str> {
-        self.sessions.get(&trace).map(String::as_str)
+    pub(crate) fn carrier(&self, trace: TraceId) -> Option<SessionId> {
+        self.sessions.get(&trace).copied()
     }
 
     /// `session` carried `trace`: it is that trace's session from now on,
-    /// and the newest entry. Allocates only for a trace new to `session`
-    /// (every call of a turn carries the same one).
-    pub(crate) fn claim(&mut self, trace: TraceId, session: &str) {
+    /// and the newest entry.
+    pub(crate) fn claim(&mut self, trace: TraceId, session: SessionId) {
         if self.carrier(trace) == Some(session) {
             self.sessions.touch(&trace);
         } else {
-            self.sessions.insert(trace, session.to_owned());
+            self.sessions.insert(trace, session);
         }
     }
 
     /// Forgets `trace` if `session` is still its carrier (another session
     /// may have carried it since).
-    pub(crate) fn release(&mut self, trace: TraceId, session: &str) {
+    pub(crate) fn release(&mut self, trace: TraceId, session: SessionId) {
         if self.carrier(trace) == Some(session) {
             self.sessions.remove(&trace);
         }
@@ -160,12 +160,14 @@ mod tests {
     #[test]
     fn a_released_trace_goes_only_from_its_own_carrier() {
         let trace = TraceId(7);
+        let mut store = crate::sessions::SessionStore::new(4, 1_000);
+        let [a, b] = ["a", "b"].map(|s| store.bind(s, None, crate::WorkerId(0), 0).unwrap());
         let mut carriers = TraceCarriers::new(4);
-        carriers.claim(trace, "a");
-        carriers.claim(trace, "b");
-        carriers.release(trace, "a");
-        assert_eq!(carriers.carrier(trace), Some("b"));
-        carriers.release(trace, "b");
+        carriers.claim(trace, a);
+        carriers.claim(trace, b);
+        carriers.release(trace, a);
+        assert_eq!(carriers.carrier(trace), Some(b));
+        carriers.release(trace, b);
         assert_eq!(carriers.carrier(trace), None);
     }
 }

@@ -28,13 +28,12 @@
 //! ordered set holding exactly one deadline per followed session, so it
 //! never needs a walk to drop stale ones).
 
-use std::collections::BTreeSet;
-
 use hashbrown::HashMap;
 use kvmesh_vocab::Harness;
 
 use crate::WorkerId;
 use crate::lru::LruMap;
+use crate::sessions::{SessionId, SessionStore};
 
 /// Return-gap buckets: bucket `i` holds gaps below `FIRST_BUCKET_MS · 2^i`
 /// (the last one everything longer): 250 ms to about 36 hours.
@@ -209,18 +208,19 @@ struct Resident {
     class: Class,
 }
 
-/// A live session as retention follows it.
+/// A live session as retention follows it: a part of its record in the
+/// `SessionStore`, which ends it with the session.
 #[derive(Debug, Clone)]
-struct Follow {
+pub(crate) struct Follow {
     home: WorkerId,
     class: Class,
     /// When its latest call was answered (else placed).
     idle_since_ms: u64,
     /// It was counted gone after this much idle time.
     counted_gone_ms: Option<u64>,
-    /// Its deadline in `deadlines`, if it has one: one per session,
-    /// however many calls it makes (none once it was counted gone).
-    deadline_ms: Option<u64>,
+    /// Its deadline in the store's deadline index, if it has one: one per
+    /// session, however many calls it makes (none once it was counted gone).
+    pub(crate) deadline_ms: Option<u64>,
 }
 
 /// The value placing a request's new blocks would push out of a worker.
@@ -233,22 +233,20 @@ pub struct Eviction {
 }
 
 /// What kept KV is worth: the learned gaps and each worker's residents.
+/// What it follows of each live session is a part of the session's record
+/// (`SessionStore`), handed in with each call.
 #[derive(Debug, Clone)]
 pub struct RetentionValues {
     classes: LruMap<Class, GapHistogram>,
     by_harness: HashMap<Harness, GapHistogram>,
     fleet: GapHistogram,
-    residents: Vec<LruMap<String, Resident>>,
+    /// Each worker's residents, by the id of the session whose calls put
+    /// them there: the engine's cache, which outlives the session's record
+    /// (the engine evicts them, not the TTL); an ended session's id finds
+    /// no record.
+    residents: Vec<LruMap<SessionId, Resident>>,
     /// Blocks of each worker's residents.
     resident_blocks: Vec<usize>,
-    live: LruMap<String, Follow>,
-    /// (deadline, session): when to check whether a session went. Holds
-    /// `(d, s)` exactly when `live[s].deadline_ms == Some(d)`: a follow
-    /// that leaves `live` takes its deadline with it, so the set is never
-    /// larger than `live` (it was a heap whose stale entries a flood of new
-    /// sessions piled up, rebuilt whole under the router's lock at twice
-    /// `max_sessions`).
-    deadlines: BTreeSet<(u64, String)>,
     session_ttl_ms: u64,
     max_sessions: usize,
 }
@@ -261,8 +259,6 @@ impl RetentionValues {
             fleet: GapHistogram::default(),
             residents: Vec::new(),
             resident_blocks: Vec::new(),
-            live: LruMap::new(max_sessions),
-            deadlines: BTreeSet::new(),
             session_ttl_ms,
             max_sessions,
         }
@@ -334,7 +330,7 @@ impl RetentionValues {
         }
     }
 
-    fn residents_of(&mut self, w: WorkerId) -> &mut LruMap<String, Resident> {
+    fn residents_of(&mut self, w: WorkerId) -> &mut LruMap<SessionId, Resident> {
         if self.residents.len() <= w.0 {
             let cap = self.max_sessions;
             self.residents.resize_with(w.0 + 1, || LruMap::new(cap));
@@ -345,11 +341,13 @@ impl RetentionValues {
 
     /// A call of `session` was placed on `worker`, adding `new_blocks` to
     /// what the worker held of it: learn its return gap, move its
-    /// residency.
+    /// residency. Its follow is read from and put back in `store`; a
+    /// final call's is not put back (its record ends with it).
     #[allow(clippy::too_many_arguments)]
-    pub fn on_pick(
+    pub(crate) fn on_pick(
         &mut self,
-        session: &str,
+        store: &mut SessionStore,
+        session: SessionId,
         class: Class,
         worker: WorkerId,
         new_blocks: usize,
@@ -358,11 +356,8 @@ impl RetentionValues {
         capacity_blocks: usize,
         now_ms: u64,
     ) {
-        if session.is_empty() {
-            return;
-        }
-        self.check_gone(now_ms);
-        let previous = self.live.remove(session);
+        self.check_gone(store, now_ms);
+        let previous = store.take_follow(session);
         if let Some(f) = &previous {
             let gap = now_ms.saturating_sub(f.idle_since_ms);
             if let Some(idle) = f.counted_gone_ms {
@@ -370,7 +365,7 @@ impl RetentionValues {
             }
             self.learn(&f.class, |h| h.observe_return(gap));
             if f.home != worker
-                && let Some(r) = self.residents_of(f.home).get_mut(session)
+                && let Some(r) = self.residents_of(f.home).get_mut(&session)
             {
                 r.dead = true;
             }
@@ -378,7 +373,7 @@ impl RetentionValues {
         // One look-up of the worker's residents for the session's old
         // blocks and its new entry (it was three).
         let residents = self.residents_of(worker);
-        let old_blocks = residents.get(session).map_or(0, |r| r.blocks);
+        let old_blocks = residents.get(&session).map_or(0, |r| r.blocks);
         let blocks = old_blocks + new_blocks;
         let resident = Resident {
             blocks,
@@ -387,26 +382,20 @@ impl RetentionValues {
             dead: session_final,
             class: class.clone(),
         };
-        let (_, dropped) = residents.insert(session.to_owned(), resident);
+        let (_, dropped) = residents.insert(session, resident);
         let dropped_blocks: usize = dropped.iter().map(|(_, r)| r.blocks).sum();
         if let Some(total) = self.resident_blocks.get_mut(worker.0) {
             *total = (*total + blocks).saturating_sub(old_blocks + dropped_blocks);
         }
         self.trim(worker, capacity_blocks);
-        let armed = previous.and_then(|f| f.deadline_ms);
         if session_final {
-            if let Some(deadline) = armed {
-                self.deadlines.remove(&(deadline, session.to_owned()));
-            }
             return;
         }
-        let deadline_ms = armed.unwrap_or_else(|| {
-            let deadline = now_ms.saturating_add(self.gone_after_ms(&class));
-            self.deadlines.insert((deadline, session.to_owned()));
-            deadline
-        });
-        let (_, evicted) = self.live.insert(
-            session.to_owned(),
+        let deadline_ms = previous
+            .and_then(|f| f.deadline_ms)
+            .unwrap_or_else(|| now_ms.saturating_add(self.gone_after_ms(&class)));
+        store.put_follow(
+            session,
             Follow {
                 home: worker,
                 class,
@@ -415,42 +404,33 @@ impl RetentionValues {
                 deadline_ms: Some(deadline_ms),
             },
         );
-        for (gone, follow) in evicted {
-            if let Some(deadline) = follow.deadline_ms {
-                self.deadlines.remove(&(deadline, gone));
-            }
-        }
     }
 
-    /// The router ended `session`, idle past the session TTL: its follow
-    /// ends with it, so retention follows no session the router no longer
-    /// keeps. (Kept until `max_sessions` pushed them out, an expired wave's
-    /// follows shared the table with the next wave's, and that churn at the
-    /// bound doubled the table: 14 to 28 MiB at 100,000 sessions,
-    /// `tests/session_memory.rs`.) A follow no Pick has yet counted gone
-    /// is counted now: idle past the TTL, it is past its class's horizon
-    /// (`gone_after_ms`). Its blocks stay among the worker's residents:
-    /// the engine evicts them, not the TTL.
-    pub fn end_session(&mut self, session: String, now_ms: u64) {
-        let Some(follow) = self.live.remove(session.as_str()) else {
-            return;
-        };
-        if let Some(deadline) = follow.deadline_ms {
+    /// The store ended a session, idle past the session TTL, and handed
+    /// back its follow: a follow no Pick has yet counted gone is counted
+    /// now (idle past the TTL, it is past its class's horizon,
+    /// `gone_after_ms`). Its blocks stay among the worker's residents: the
+    /// engine evicts them, not the TTL. (Retention's follows were a table
+    /// of their own, kept until `max_sessions` pushed them out: an expired
+    /// wave's follows shared it with the next wave's, and that churn at the
+    /// bound doubled it, 14 to 28 MiB at 100,000 sessions,
+    /// `tests/session_memory.rs`.)
+    pub(crate) fn end_session(&mut self, follow: Follow, now_ms: u64) {
+        if follow.deadline_ms.is_some() {
             let idle = now_ms.saturating_sub(follow.idle_since_ms);
             self.learn(&follow.class, |h| h.observe_gone(idle));
-            self.deadlines.remove(&(deadline, session));
         }
     }
 
     /// The call of `session` was answered at `now_ms`: its idle time
     /// starts there.
-    pub fn on_answer(&mut self, session: &str, now_ms: u64) {
-        if let Some(f) = self.live.get_mut(session) {
-            f.idle_since_ms = f.idle_since_ms.max(now_ms);
-        }
-        if let Some(f) = self.live.get(session)
-            && let Some(r) = self.residents.get_mut(f.home.0).and_then(|m| m.get_mut(session))
-        {
+    pub(crate) fn on_answer(&mut self, store: &mut SessionStore, session: SessionId, now_ms: u64) {
+        let Some(f) = store.follow_mut(session) else {
+            return;
+        };
+        f.idle_since_ms = f.idle_since_ms.max(now_ms);
+        let home = f.home;
+        if let Some(r) = self.residents.get_mut(home.0).and_then(|m| m.get_mut(&session)) {
             r.last_seen_ms = r.last_seen_ms.max(now_ms);
         }
     }
@@ -473,35 +453,17 @@ impl RetentionValues {
     }
 
     /// Counts as gone the sessions idle past their class's horizon.
-    fn check_gone(&mut self, now_ms: u64) {
-        while let Some((deadline, _)) = self.deadlines.first()
-            && *deadline <= now_ms
-        {
-            let Some((_, session)) = self.deadlines.pop_first() else {
-                break;
-            };
-            // Every deadline is a live follow's (see `deadlines`).
-            let Some((class, idle_since_ms)) = self.live.get(&session).map(|f| (f.class.clone(), f.idle_since_ms))
-            else {
-                continue;
-            };
-            let idle = now_ms.saturating_sub(idle_since_ms);
-            let horizon = self.gone_after_ms(&class);
-            let next = if idle >= horizon {
-                self.learn(&class, |h| h.observe_gone(idle));
-                None
+    fn check_gone(&mut self, store: &mut SessionStore, now_ms: u64) {
+        while let Some((session, mut follow)) = store.pop_due(now_ms) {
+            let idle = now_ms.saturating_sub(follow.idle_since_ms);
+            let horizon = self.gone_after_ms(&follow.class);
+            if idle >= horizon {
+                self.learn(&follow.class, |h| h.observe_gone(idle));
+                follow.counted_gone_ms = Some(idle);
             } else {
-                Some(idle_since_ms.saturating_add(horizon).max(now_ms + 1))
-            };
-            if let Some(follow) = self.live.get_mut(&session) {
-                follow.deadline_ms = next;
-                if next.is_none() {
-                    follow.counted_gone_ms = Some(idle);
-                }
+                follow.deadline_ms = Some(follow.idle_since_ms.saturating_add(horizon).max(now_ms + 1));
             }
-            if let Some(deadline) = next {
-                self.deadlines.insert((deadline, session));
-            }
+            store.put_follow(session, follow);
         }
     }
 
@@ -509,7 +471,13 @@ impl RetentionValues {
     /// `capacity_blocks`) would push out, oldest residents first, by the
     /// chance each comes back; `session`'s own blocks are not counted (its
     /// call refreshes them). Blocks of no known resident count in full.
-    pub fn evicted(&self, worker: WorkerId, session: &str, overflow_blocks: usize, now_ms: u64) -> Eviction {
+    pub(crate) fn evicted(
+        &self,
+        worker: WorkerId,
+        session: Option<SessionId>,
+        overflow_blocks: usize,
+        now_ms: u64,
+    ) -> Eviction {
         let mut left = overflow_blocks;
         let mut valued = 0.0;
         if let Some(residents) = self.residents.get(worker.0) {
@@ -517,7 +485,7 @@ impl RetentionValues {
                 if left == 0 {
                     break;
                 }
-                if id == session {
+                if Some(*id) == session {
                     continue;
                 }
                 let taken = r.blocks.min(left);
@@ -544,8 +512,7 @@ impl RetentionValues {
         (self.resident_blocks.get(worker.0).copied().unwrap_or(0), valued)
     }
 
-    /// The session-keyed tables: the follows, their deadlines and every
-    /// worker's residents together (see `crate::tests::Footprint`).
+    /// Every worker's residents together (see `crate::tests::Footprint`).
     #[cfg(test)]
     pub(crate) fn footprints(&self) -> crate::tests::Footprints {
         let residents =
@@ -557,20 +524,7 @@ impl RetentionValues {
                     table_bytes: sum.table_bytes + f.table_bytes,
                     queue_bytes: sum.queue_bytes + f.queue_bytes,
                 });
-        let deadlines = crate::tests::Footprint {
-            len: self.deadlines.len(),
-            ..Default::default()
-        };
-        vec![
-            ("retention live", self.live.footprint()),
-            ("retention deadlines", deadlines),
-            ("retention residents", residents),
-        ]
-    }
-
-    /// Deadlines waiting (at most one per followed session).
-    pub fn pending_deadlines(&self) -> usize {
-        self.deadlines.len()
+        vec![("retention residents", residents)]
     }
 
     /// The worker was removed or restarted: its residents are gone.

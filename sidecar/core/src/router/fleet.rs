@@ -9,7 +9,7 @@ use kvmesh_vocab::DEFAULT_BLOCK_BYTES;
 use super::Router;
 use super::decision::Decision;
 use crate::index::PrefixIndex;
-use crate::sessions::SessionTable;
+use crate::sessions::{SessionId, SessionStore};
 
 /// Index of a worker in the router's list; stable for the router's life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -183,8 +183,9 @@ pub(super) struct Pending {
     /// At most `kvmesh_vocab::limits::MAX_ID_BYTES` (the sidecar rejects
     /// longer), for at most `max_pending_picks` picks.
     pub(super) model: String,
-    /// Its routing key, for the retention of its session.
-    pub(super) session: String,
+    /// Its session, for the session's retention and pending pick (none for
+    /// a call with no session, or a session's final call).
+    pub(super) session: Option<SessionId>,
     /// Its load was already taken off the worker (see `pick`).
     pub(super) released: bool,
     pub(super) at_ms: u64,
@@ -455,27 +456,19 @@ impl Router {
     /// each releases early).
     #[cfg(test)]
     pub(crate) fn sessions_with_pending_pick(&self) -> usize {
-        self.last_pick.len()
+        self.sessions.with_pending_pick()
     }
 
     /// The router's session-keyed tables (see `crate::tests::Footprint`).
     #[cfg(test)]
     pub(crate) fn footprints(&self) -> crate::tests::Footprints {
-        let last_pick = crate::tests::Footprint {
-            len: self.last_pick.len(),
-            table_bytes: self.last_pick.allocation_size(),
-            queue_bytes: 0,
-        };
-        let mut all = vec![
-            ("router sessions", self.sessions.footprint()),
-            ("router pending", self.pending.footprint()),
-            ("router last_pick", last_pick),
-        ];
+        let mut all = self.sessions.footprints();
+        all.push(("router pending", self.pending.footprint()));
         all.extend(self.retention.footprints());
         all
     }
 
-    pub fn sessions(&self) -> &SessionTable {
+    pub fn sessions(&self) -> &SessionStore {
         &self.sessions
     }
 
@@ -483,11 +476,12 @@ impl Router {
         &self.index
     }
 
-    /// Ends sessions idle past the TTL, and retention's follows of them.
+    /// Ends sessions idle past the TTL: their records, retention learning
+    /// from each what it followed.
     pub fn expire_sessions(&mut self, now_ms: u64) -> usize {
         let retention = &mut self.retention;
         self.sessions
-            .expire(now_ms, |session| retention.end_session(session, now_ms))
+            .expire(now_ms, |follow| retention.end_session(follow, now_ms))
     }
 
     /// Answers which of `probes` the fleet holds now (a worker that takes
@@ -534,15 +528,15 @@ impl Router {
 
     /// Puts a decided pick's load on its worker and keeps it pending until
     /// its outcome.
-    pub(super) fn charge(&mut self, decision: &Decision, pending: Pending, routing_key: &str) {
+    pub(super) fn charge(&mut self, decision: &Decision, pending: Pending) {
         if let Some(w) = self.workers.get_mut(pending.worker.0) {
             w.load.in_flight = w.load.in_flight.saturating_add(1);
             w.load.queued_prefill_tokens += pending.uncached_tokens;
             w.load.recent_prefill_tokens += pending.uncached_tokens;
             w.load.active_kv_tokens += pending.request_tokens;
         }
-        if !routing_key.is_empty() {
-            self.last_pick.insert(routing_key.to_owned(), decision.pick_id);
+        if let Some(session) = pending.session {
+            self.sessions.set_last_pick(session, Some(decision.pick_id));
         }
         self.remember(decision.pick_id, pending);
     }
@@ -585,14 +579,13 @@ impl Router {
     }
 
     /// A pick leaves `pending` (its outcome came, or it aged out): its load
-    /// is released and its session's `last_pick` entry goes with it, so that
-    /// map never outgrows `pending`. (It was pruned by a `retain` over up to
-    /// twice `max_pending_picks` sessions inside one Pick: a stall of
-    /// milliseconds at 100k sessions.)
+    /// is released, and it is no longer its session's pending pick.
     pub(super) fn retire(&mut self, pick_id: u64, p: &Pending) {
         self.release(p);
-        if self.last_pick.get(p.session.as_str()) == Some(&pick_id) {
-            self.last_pick.remove(p.session.as_str());
+        if let Some(session) = p.session
+            && self.sessions.last_pick(session) == Some(pick_id)
+        {
+            self.sessions.set_last_pick(session, None);
         }
     }
 

@@ -65,8 +65,10 @@ impl Router {
         let Some(p) = self.pending.remove(&outcome.pick_id) else {
             return false;
         };
-        if let Some(answered_ms) = answered_ms {
-            self.retention.on_answer(&p.session, answered_ms);
+        if let Some(answered_ms) = answered_ms
+            && let Some(session) = p.session
+        {
+            self.retention.on_answer(&mut self.sessions, session, answered_ms);
         }
         self.retire(outcome.pick_id, &p);
         // Prefill throughput: the uncached tokens over the time to first

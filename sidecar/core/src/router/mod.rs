@@ -76,7 +76,7 @@ use crate::lineage::ParentName;
 use crate::lru::LruMap;
 use crate::models::ModelRates;
 use crate::retention::{Eviction, RetentionValues};
-use crate::sessions::SessionTable;
+use crate::sessions::{SessionId, SessionStore};
 
 pub use cost::Cost;
 pub use decision::{Decision, Outcome, ParentSource, PickInput, Reason};
@@ -229,11 +229,10 @@ pub struct Router {
     workers: Vec<Worker>,
     by_address: HashMap<String, WorkerId>,
     index: PrefixIndex,
-    sessions: SessionTable,
+    /// Every live session's one record.
+    sessions: SessionStore,
     /// Picks awaiting their outcome, oldest first.
     pending: LruMap<u64, Pending>,
-    /// Each session's latest pick, while it is pending.
-    last_pick: HashMap<String, u64>,
     next_pick_id: u64,
     bytes_per_token: ModelRates,
     retention: RetentionValues,
@@ -266,7 +265,7 @@ struct PickScratch {
 impl Router {
     pub fn new(config: RouterConfig, addresses: impl IntoIterator<Item = String>) -> Self {
         let mut router = Self {
-            sessions: SessionTable::new(config.max_sessions, config.session_ttl_ms),
+            sessions: SessionStore::new(config.max_sessions, config.session_ttl_ms),
             pending: LruMap::new(config.max_pending_picks),
             bytes_per_token: ModelRates::new(config.max_models),
             retention: RetentionValues::new(config.max_sessions, config.session_ttl_ms),
@@ -274,7 +273,6 @@ impl Router {
             workers: Vec::new(),
             by_address: HashMap::new(),
             index: PrefixIndex::new(),
-            last_pick: HashMap::new(),
             next_pick_id: 1,
             scratch: PickScratch::default(),
         };
@@ -336,17 +334,16 @@ impl Router {
     ) -> Decision {
         let pick_id = self.next_pick_id;
         self.next_pick_id += 1;
-        let key = input.routing_key();
+        // The one look-up of the session's name: the rest goes by its id.
+        let session = self.sessions.find(input.routing_key());
         // An agent sends its next call only once the previous one answered:
         // that call is finished even if its outcome report is still on the
         // way, and its load must not count against the session's own home.
-        if let Some(previous) = self.last_pick.get(key).copied() {
+        if let Some(previous) = session.and_then(|id| self.sessions.last_pick(id)) {
             self.release_pick(previous);
         }
-        let home = (!key.is_empty())
-            .then(|| self.sessions.home(key, input.now_ms))
-            .flatten();
-        let lineage = self.lineage_of(&input);
+        let home = session.and_then(|id| self.sessions.home_of(id, input.now_ms));
+        let lineage = self.lineage_of(&input, session);
         let parent_home = lineage.home;
 
         let bytes_per_token = self.bytes_per_token(input.model);
@@ -397,7 +394,7 @@ impl Router {
             let new_blocks = full.len().saturating_sub(overlap);
             let overflow_blocks = (self.index.len(id) + new_blocks).saturating_sub(self.index.capacity(id));
             let evicted_blocks = if self.config.retention && overflow_blocks > 0 {
-                let eviction = self.retention.evicted(id, key, overflow_blocks, input.now_ms);
+                let eviction = self.retention.evicted(id, session, overflow_blocks, input.now_ms);
                 if let Some(slot) = evictions.get_mut(i) {
                     *slot = Some(eviction);
                 }
@@ -496,7 +493,7 @@ impl Router {
         let eviction = chosen_eviction.or_else(|| {
             let overflow = (self.index.len(chosen.id) + full.len().saturating_sub(chosen.overlap))
                 .saturating_sub(self.index.capacity(chosen.id));
-            (overflow > 0).then(|| self.retention.evicted(chosen.id, key, overflow, input.now_ms))
+            (overflow > 0).then(|| self.retention.evicted(chosen.id, session, overflow, input.now_ms))
         });
         if let Some(evicted) = eviction {
             decision.evicted_blocks = u32::try_from(evicted.blocks).unwrap_or(u32::MAX);
@@ -507,7 +504,7 @@ impl Router {
         let uncached = request_tokens
             - cost::credited_cached_tokens(&self.config, chosen.overlap, chosen_host, block_tokens, request_tokens);
         self.note_block_size(chosen.id, block_bytes, input.model);
-        self.place(
+        let session = self.place(
             chosen.id,
             full,
             full.len().saturating_sub(chosen.overlap),
@@ -526,11 +523,10 @@ impl Router {
                 prompt_bytes: input.prompt_bytes,
                 truncated: input.truncated,
                 model: input.model.to_owned(),
-                session: key.to_owned(),
+                session,
                 released: false,
                 at_ms: input.now_ms,
             },
-            input.routing_key(),
         );
         decision
     }
@@ -538,7 +534,7 @@ impl Router {
     /// The lineage of the request's session: its parent's home, where the
     /// parent came from, and the parent to record for a session that has
     /// none yet. A side call has none: it is placed on its own merits.
-    fn lineage_of<'a>(&self, input: &PickInput<'a>) -> Lineage<'a> {
+    fn lineage_of<'a>(&self, input: &PickInput<'a>, session: Option<SessionId>) -> Lineage<'a> {
         let now_ms = input.now_ms;
         if input.lane == Lane::Side {
             return Lineage::default();
@@ -556,7 +552,7 @@ impl Router {
                 // parent resolved at its first call stands (the turn's trace
                 // is forgotten once the parent's next turn begins), and is
                 // not copied again.
-                if let Some(recorded) = (!key.is_empty()).then(|| self.sessions.parent(key)).flatten() {
+                if let Some(recorded) = session.and_then(|id| self.sessions.parent_of(id)) {
                     return Lineage {
                         home: self.sessions.home(recorded, now_ms),
                         source: ParentSource::Trace,
@@ -583,7 +579,9 @@ impl Router {
     }
 
     /// The engine will hold the request's full blocks once it prefills them,
-    /// and the session's next call should find them there.
+    /// and the session's next call should find them there. The session's
+    /// record is made or updated (or ended, by a final call); its id, while
+    /// it has a record.
     fn place(
         &mut self,
         id: WorkerId,
@@ -591,14 +589,23 @@ impl Router {
         new_blocks: usize,
         parent: Option<&str>,
         input: &PickInput<'_>,
-    ) {
+    ) -> Option<SessionId> {
         self.index.insert(id, full_blocks);
         if let Some(worker) = self.workers.get_mut(id.0) {
             worker.placed_since_events = worker.placed_since_events.saturating_add(new_blocks);
         }
         let key = input.routing_key();
+        // A final call makes no record (it would take a live session's
+        // place at the bound), but what it leaves on the worker still needs
+        // an id.
+        let session = if input.session_final {
+            self.sessions.detached(key)?
+        } else {
+            self.sessions.bind(key, parent, id, input.now_ms)?
+        };
         self.retention.on_pick(
-            key,
+            &mut self.sessions,
+            session,
             (input.harness, input.tenant.to_owned()),
             id,
             new_blocks,
@@ -608,17 +615,17 @@ impl Router {
             input.now_ms,
         );
         if input.session_final {
-            self.sessions.end(key);
-        } else {
-            self.sessions.bind(key, parent, id, input.now_ms);
-            // The trace of a call that names no parent is its own turn's
-            // (a subagent's carries its parent's turn, which it must not
-            // claim); a side call has no key and claims nothing.
-            if let Some(trace) = input.trace_id
-                && input.parent_id.is_empty()
-            {
-                self.sessions.carry_trace(key, trace);
-            }
+            self.sessions.end(session);
+            return None;
         }
+        // The trace of a call that names no parent is its own turn's (a
+        // subagent's carries its parent's turn, which it must not claim); a
+        // side call has no key and claims nothing.
+        if let Some(trace) = input.trace_id
+            && input.parent_id.is_empty()
+        {
+            self.sessions.carry_trace(session, trace);
+        }
+        Some(session)
     }
 }

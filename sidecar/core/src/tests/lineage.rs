@@ -6,7 +6,7 @@
 
 use kvmesh_vocab::PARENT_BY_TRACE_PREFIX;
 
-use crate::sessions::SessionTable;
+use crate::sessions::SessionStore;
 use crate::*;
 
 fn router(n: usize) -> Router {
@@ -176,19 +176,18 @@ fn a_trace_goes_with_its_session() {
 #[test]
 fn the_trace_table_never_exceeds_its_bound() {
     // Its own bound, below the sessions'.
-    let mut table = SessionTable::with_trace_capacity(100, 60_000, 4);
+    let mut table = SessionStore::with_trace_capacity(100, 60_000, 4);
     for i in 0..50u128 {
-        let session = format!("s{i}");
-        table.bind(&session, None, WorkerId(0), 1);
-        table.carry_trace(&session, TraceId::parse(&format!("{:032x}", i + 1)).unwrap());
+        let session = table.bind(&format!("s{i}"), None, WorkerId(0), 1).unwrap();
+        table.carry_trace(session, TraceId::parse(&format!("{:032x}", i + 1)).unwrap());
         assert!(table.traces() <= 4);
     }
     assert_eq!(table.traces(), 4);
     // One entry per session whatever the turns it went through.
-    let mut table = SessionTable::with_trace_capacity(100, 60_000, 4);
-    table.bind("s", None, WorkerId(0), 1);
+    let mut table = SessionStore::with_trace_capacity(100, 60_000, 4);
+    let session = table.bind("s", None, WorkerId(0), 1).unwrap();
     for i in 1..=10u128 {
-        table.carry_trace("s", TraceId::parse(&format!("{i:032x}")).unwrap());
+        table.carry_trace(session, TraceId::parse(&format!("{i:032x}")).unwrap());
     }
     assert_eq!(table.traces(), 1);
     // And never more than the live sessions: an evicted session's trace

@@ -1,7 +1,10 @@
 //! Retention: the learned return gaps and the value of a cached session,
 //! with figures computed by hand, and the placement they change.
 
-use crate::retention::{GapHistogram, RetentionValues, bucket_of, bucket_upper_ms};
+use std::ops::Deref;
+
+use crate::retention::{Class, Eviction, GapHistogram, RetentionValues, bucket_of, bucket_upper_ms};
+use crate::sessions::SessionStore;
 use crate::*;
 
 const W0: WorkerId = WorkerId(0);
@@ -11,8 +14,75 @@ fn class() -> (Harness, String) {
     (Harness::ClaudeCode, "acme".to_owned())
 }
 
+/// Retention with the session store it follows sessions in, driven by
+/// session name as the router drives it (`Router::place`).
+struct Followed {
+    values: RetentionValues,
+    store: SessionStore,
+}
+
+impl Followed {
+    fn new(max_sessions: usize, ttl_ms: u64) -> Self {
+        Self {
+            values: RetentionValues::new(max_sessions, ttl_ms),
+            store: SessionStore::new(max_sessions, ttl_ms),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn on_pick(
+        &mut self,
+        session: &str,
+        class: Class,
+        worker: WorkerId,
+        new_blocks: usize,
+        horizon_ms: Option<u64>,
+        session_final: bool,
+        capacity_blocks: usize,
+        now_ms: u64,
+    ) {
+        let id = if session_final {
+            self.store.detached(session)
+        } else {
+            self.store.bind(session, None, worker, now_ms)
+        }
+        .unwrap();
+        self.values.on_pick(
+            &mut self.store,
+            id,
+            class,
+            worker,
+            new_blocks,
+            horizon_ms,
+            session_final,
+            capacity_blocks,
+            now_ms,
+        );
+        if session_final {
+            self.store.end(id);
+        }
+    }
+
+    fn evicted(&self, worker: WorkerId, session: &str, overflow_blocks: usize, now_ms: u64) -> Eviction {
+        self.values
+            .evicted(worker, self.store.find(session), overflow_blocks, now_ms)
+    }
+
+    fn pending_deadlines(&self) -> usize {
+        self.store.pending_deadlines()
+    }
+}
+
+impl Deref for Followed {
+    type Target = RetentionValues;
+
+    fn deref(&self) -> &RetentionValues {
+        &self.values
+    }
+}
+
 /// Learns `gaps` as returns of one session of `class()` on `W0`.
-fn learn_returns(r: &mut RetentionValues, session: &str, start_ms: u64, gaps: &[u64]) -> u64 {
+fn learn_returns(r: &mut Followed, session: &str, start_ms: u64, gaps: &[u64]) -> u64 {
     let mut now = start_ms;
     r.on_pick(session, class(), W0, 1, None, false, 1_000_000, now);
     for gap in gaps {
@@ -40,7 +110,7 @@ fn the_chance_of_return_by_hand() {
 
 #[test]
 fn a_session_returning_soon_outweighs_a_finished_one_of_the_same_size() {
-    let mut r = RetentionValues::new(1000, 30 * 60_000);
+    let mut r = Followed::new(1000, 30 * 60_000);
     // The class returns after about a second.
     let now = learn_returns(&mut r, "teacher", 0, &[1_000; 20]);
     r.on_pick("soon", class(), W0, 50, None, false, 100, now);
@@ -59,7 +129,7 @@ fn a_session_returning_soon_outweighs_a_finished_one_of_the_same_size() {
 
 #[test]
 fn session_final_zeroes_the_value() {
-    let mut r = RetentionValues::new(1000, 30 * 60_000);
+    let mut r = Followed::new(1000, 30 * 60_000);
     r.on_pick("s", class(), W0, 40, None, false, 100, 0);
     assert!((r.evicted(W0, "other", 40, 10).valued_blocks - 40.0).abs() < 1e-9);
     r.on_pick("s", class(), W0, 0, None, true, 100, 20);
@@ -69,7 +139,7 @@ fn session_final_zeroes_the_value() {
 
 #[test]
 fn a_declared_hour_keeps_a_session_valued_past_the_learned_gap() {
-    let mut r = RetentionValues::new(1000, 30 * 60_000);
+    let mut r = Followed::new(1000, 30 * 60_000);
     // Sessions of the class come back within a second, or never: 20
     // returns, then 20 sessions counted gone (each idle past the horizon).
     let mut now = learn_returns(&mut r, "teacher", 0, &[1_000; 20]);
@@ -103,7 +173,7 @@ fn a_declared_hour_keeps_a_session_valued_past_the_learned_gap() {
 
 #[test]
 fn the_learned_gaps_match_a_seeded_sequence() {
-    let mut r = RetentionValues::new(1000, 30 * 60_000);
+    let mut r = Followed::new(1000, 30 * 60_000);
     // xorshift64*, seeded: gaps from 100 ms to about 20 s, log-spread.
     let mut state = 0x9e37_79b9_7f4a_7c15_u64;
     let mut next = || {
@@ -188,7 +258,7 @@ fn new_work_goes_where_it_displaces_a_finished_session() {
 
 #[test]
 fn one_deadline_per_session_however_many_calls() {
-    let mut r = RetentionValues::new(1000, 30 * 60_000);
+    let mut r = Followed::new(1000, 30 * 60_000);
     for call in 0..5_000u64 {
         r.on_pick("busy", class(), W0, 1, None, false, 1_000_000, call * 100);
     }
@@ -207,7 +277,7 @@ fn a_flood_of_new_sessions_never_holds_more_deadlines_than_followed_sessions() {
     // deadline along (they piled up to twice `max_sessions` before, and
     // were then filtered in one walk under the router's lock).
     let max = 100;
-    let mut r = RetentionValues::new(max, 30 * 60_000);
+    let mut r = Followed::new(max, 30 * 60_000);
     for s in 0..10_000u64 {
         r.on_pick(&format!("flood-{s}"), class(), W0, 1, None, false, 1_000_000, s);
         assert!(

@@ -159,7 +159,7 @@ proptest! {
         page in 1..9usize,
         ttl in 10..400u64,
     ) {
-        let mut table = SessionTable::new(1000, ttl);
+        let mut table = SessionStore::new(1000, ttl);
         let mut now = 0u64;
         let mut seen: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
         for (s, gap) in calls {
@@ -199,7 +199,7 @@ proptest! {
 
 #[test]
 fn expiry_ends_at_most_a_step_per_call() {
-    let mut table = SessionTable::new(10_000, 10);
+    let mut table = SessionStore::new(10_000, 10);
     for i in 0..2_500u64 {
         table.bind(&format!("s{i}"), None, WorkerId(0), i / 100);
     }

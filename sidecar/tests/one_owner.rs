@@ -4,6 +4,8 @@
 //! router's guard accessor, its mutex or locks it fails, and so does a
 //! guard accessor the owner would hand out again.
 
+mod source_tree;
+
 use std::path::{Path, PathBuf};
 
 /// What only the owner may write: the guard accessor, the mutex's type and
@@ -15,25 +17,8 @@ fn is_owner(relative: &Path) -> bool {
     relative == Path::new("state.rs") || relative.starts_with("state")
 }
 
-/// Every `.rs` file under `dir`, as (path relative to `root`, text).
-fn sources(root: &Path, dir: &Path, out: &mut Vec<(PathBuf, String)>) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            sources(root, &path, out);
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            let relative = path.strip_prefix(root).unwrap_or(&path).to_path_buf();
-            out.push((relative, std::fs::read_to_string(&path).unwrap_or_default()));
-        }
-    }
-}
-
 fn sidecar_sources() -> Vec<(PathBuf, String)> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut out = Vec::new();
-    sources(&root, &root, &mut out);
-    out
+    source_tree::rust_sources(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"))
 }
 
 /// Every line that breaks the rule, as `file:line: text`.

@@ -24,9 +24,11 @@
 //! ones have pushed out of the worker's capacity is dropped (its KV is gone
 //! whatever it is worth). Nothing here walks all sessions: a pick touches
 //! its own session, prices the few oldest residents of each worker that
-//! overflows, and checks the sessions whose gone-deadline passed (an
-//! ordered set holding exactly one deadline per followed session, so it
-//! never needs a walk to drop stale ones).
+//! overflows, and checks the sessions whose gone-deadline passed (the
+//! `SessionStore`'s ordered index, exactly one deadline per followed
+//! session, so it never needs a walk to drop stale ones). What it follows
+//! of a session is a part of the session's record in the store, which ends
+//! it with the session.
 
 use hashbrown::HashMap;
 use kvmesh_vocab::Harness;

@@ -14,7 +14,7 @@
 //! prompt text (sections are kinds, positions and 32-bit digests).
 //!
 //! Its per-session state (`Trace`) is a second session table beside the
-//! router's `SessionTable`, on purpose: it is keyed by session *and model*
+//! router's `SessionStore`, on purpose: it is keyed by session *and model*
 //! (a harness's side calls on another model must not read as breaks of the
 //! main conversation, even from a filter that does not tell lanes apart),
 //! holds the last call's blocks and sections (which routing never needs),

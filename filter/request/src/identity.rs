@@ -116,9 +116,6 @@ pub struct Identity {
 /// Scheduling hints of one request.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Hints {
-    /// `max_completion_tokens`, `max_output_tokens`, `max_tokens`, else
-    /// Dynamo's `nvext.agent_hints.osl`.
-    pub expected_output_tokens: Option<u32>,
     /// kvmesh's priority (higher is sooner, clamped to
     /// `MIN_PRIORITY..=MAX_PRIORITY`): the priority header, else
     /// `nvext.agent_hints.priority`, else, with `priority_field`
@@ -273,7 +270,6 @@ pub fn hints(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterCon
         .value("nvext")
         .and_then(|nvext| nvext.get("agent_hints").cloned())
         .unwrap_or(Value::Null);
-    let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
     let priority = crate::priority::read(
         headers,
         &config.priority_header,
@@ -282,11 +278,6 @@ pub fn hints(headers: &impl Headers, envelope: &Envelope<'_>, config: &FilterCon
         config.priority_field.as_ref(),
     );
     Hints {
-        expected_output_tokens: ["max_completion_tokens", "max_output_tokens", "max_tokens"]
-            .iter()
-            .find_map(|key| envelope.typed::<u64>(key).ok().flatten())
-            .or_else(|| agent_hints.get("osl").and_then(Value::as_u64))
-            .map(clamp),
         priority: priority.value,
         priority_dropped: priority.dropped,
         priority_clamped: priority.clamped,

@@ -136,7 +136,7 @@ fn wrongly_typed_fields_everywhere_are_refused_or_ignored() {
     );
     let odd = br#"{"model":"m","messages":[],"stream":"yes","max_tokens":"many","user":7,"metadata":[1]}"#;
     let got = understand(Api::ChatCompletions, &headers(), odd, false, &config).unwrap();
-    assert_eq!(got.hints.expected_output_tokens, None);
+    assert_eq!(got.hints.priority, None);
     assert_eq!(got.identity.session_id, "s");
     for (api, body) in [
         (Api::Responses, r#"{"model":"m","input":5}"#),

@@ -31,15 +31,9 @@ pub struct PickRequest {
     pub tenant: ::prost::alloc::string::String,
     #[prost(string, tag = "9")]
     pub model: ::prost::alloc::string::String,
-    /// Expected output tokens when the request says (max_tokens and friends).
-    #[prost(uint32, optional, tag = "11")]
-    pub expected_output_tokens: ::core::option::Option<u32>,
     /// The session ends after this request (x-dynamo-session-final: true).
     #[prost(bool, tag = "13")]
     pub session_final: bool,
-    /// Scheduling priority when the request gives one (higher is sooner).
-    #[prost(int32, optional, tag = "14")]
-    pub priority: ::core::option::Option<i32>,
     /// The body or the block list was cut at the filter's caps: the hashes
     /// cover only a prefix of the prompt.
     #[prost(bool, tag = "17")]

@@ -211,14 +211,6 @@ fn every_api_has_a_canonical_stream() {
 }
 
 #[test]
-fn the_expected_output_hint_is_read() {
-    let mut body = chat(1);
-    body["max_tokens"] = json!(300);
-    let got = understood(&body, &[]);
-    assert_eq!(got.hints.expected_output_tokens, Some(300));
-}
-
-#[test]
 fn configuration_errors_name_the_field() {
     let err = |json: &str| FilterConfig::from_json(json.as_bytes()).unwrap_err().field;
     assert_eq!(err(r#"{"sidecar_timeout_ms": "fast"}"#), "sidecar_timeout_ms");
@@ -242,8 +234,8 @@ fn priority_and_dynamo_agent_hints_are_read() {
     let got = understand(Api::ChatCompletions, &headers(&[]), body, false, &cfg)
         .unwrap()
         .hints;
-    assert_eq!((got.expected_output_tokens, got.priority), (Some(900), Some(3)));
-    // The header wins over the hint, and max_tokens over osl.
+    assert_eq!(got.priority, Some(3));
+    // The header wins over the hint.
     let body = br#"{"model":"m","messages":[],"max_tokens":50,"nvext":{"agent_hints":{"osl":900,"priority":3}}}"#;
     let got = understand(
         Api::ChatCompletions,
@@ -254,7 +246,7 @@ fn priority_and_dynamo_agent_hints_are_read() {
     )
     .unwrap()
     .hints;
-    assert_eq!((got.expected_output_tokens, got.priority), (Some(50), Some(-2)));
+    assert_eq!(got.priority, Some(-2));
 }
 
 #[test]

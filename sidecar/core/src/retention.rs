@@ -507,9 +507,28 @@ impl RetentionValues {
         let Some(residents) = self.residents.get(worker.0) else {
             return (0, 0.0);
         };
+        // Residents of one class follow each other: its histogram is looked
+        // up once per run of them, not per resident (this walk holds the
+        // router's lock, one worker at a time).
+        let mut last: Option<(&Class, &GapHistogram)> = None;
         let valued = residents
             .iter()
-            .map(|(_, r)| r.blocks as f64 * self.p_return(r, now_ms))
+            .map(|(_, r)| {
+                let p = if r.dead || now_ms < r.declared_until_ms {
+                    self.p_return(r, now_ms)
+                } else {
+                    let histogram = match last {
+                        Some((class, h)) if *class == r.class => h,
+                        _ => {
+                            let h = self.histogram(&r.class);
+                            last = Some((&r.class, h));
+                            h
+                        }
+                    };
+                    histogram.p_return(now_ms.saturating_sub(r.last_seen_ms))
+                };
+                r.blocks as f64 * p
+            })
             .sum();
         (self.resident_blocks.get(worker.0).copied().unwrap_or(0), valued)
     }

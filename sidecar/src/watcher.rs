@@ -137,7 +137,7 @@ pub(crate) async fn resolve_workers(shared: Shared, names: Vec<String>, interval
         for (addr, id) in appeared.iter().zip(added) {
             info!(worker = %addr, id = id.0, "worker discovered");
         }
-        for addr in removed {
+        for addr in removed.into_iter().filter_map(|i| vanished.get(i)) {
             info!(worker = %addr, "worker gone from DNS: removed");
         }
         known = current;

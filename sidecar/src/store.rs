@@ -349,9 +349,9 @@ async fn read(
                 }
                 let Some(reply) = reply else { continue };
                 let now = now_ms();
-                // Decoded before the router's lock, applied in one hold of
-                // it; the id read on from moves past them only then, so a
-                // snapshot never claims entries the router lacks.
+                // Decoded here, applied in one command to the router; the
+                // id read on from moves past them only once it answered, so
+                // a snapshot never claims entries the router lacks.
                 let mut placements = Vec::new();
                 let mut newest = None;
                 for key in reply.keys {

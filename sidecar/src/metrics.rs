@@ -43,7 +43,8 @@ struct FieldLabel {
     field: &'static str,
 }
 
-/// How big the router's tables are, read at scrape time.
+/// How big the router's tables are, read at scrape time from the view the
+/// router's thread publishes (at most about 100 ms old), and the ledger's.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StateSizes {
     pub(crate) sessions: usize,
@@ -58,7 +59,8 @@ pub(crate) struct StateSizes {
 }
 
 /// All sidecar metrics. Per-worker gauges are refreshed at scrape time from
-/// the router, so they can never drift from it.
+/// the router's published view, so they never drift from it by more than
+/// about 100 ms.
 #[derive(Debug)]
 pub(crate) struct Metrics {
     registry: Registry,

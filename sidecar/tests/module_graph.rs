@@ -21,6 +21,7 @@ const SHARED: &[&str] = &[
     "config",
     "lock",
     "metrics",
+    "owner",
     "report",
     "retention_report",
     "state",

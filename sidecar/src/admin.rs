@@ -86,23 +86,22 @@ struct Page {
 const PAGE_DEFAULT: usize = 1000;
 const PAGE_MAX: usize = 10_000;
 
-/// Sessions copied per command to the router (about 0.1 ms), or read per
-/// hold of the ledger's lock.
+/// Sessions copied per hold of the router's lock: about 0.1 ms.
 const ROWS_PER_LOCK: usize = 1000;
 
 /// Session ids, homes, idle times, parents, harnesses and calls by lane:
 /// ids and counts only, never prompt text.
 ///
-/// Every Pick waits behind the router's commands, so this reads at most
-/// [`ROWS_PER_LOCK`] sessions per command (`Shared::sessions_before`,
-/// with a pause between commands), walking the session table from
+/// Every Pick waits on the router's lock, so this reads at most
+/// [`ROWS_PER_LOCK`] sessions per hold of it (`Shared::sessions_before`,
+/// with a pause between holds), walking the session table from
 /// the most recently seen: a page costs its offset and rows, not the table
 /// (copying and sorting every session took 310-390 ms at 100,000, and
 /// fetched in a loop held Picks to about 25/s). A session seen again while
 /// the page is read moves to the front and may drop out of a deep page.
 /// The idle sessions are the ledger's last tick's list, which holds the
 /// largest [`kvmesh_core::IDLE_LIST_MAX`]. The harness and calls by lane
-/// are the ledger's, read once the router's commands have answered,
+/// are the ledger's, read after the router's lock is released,
 /// [`ROWS_PER_LOCK`] sessions per hold of the ledger's lock.
 async fn sessions(State(shared): State<Shared>, Query(page): Query<Page>) -> Result<impl IntoResponse, StatusCode> {
     off_workers(move || axum::Json(sessions_page(&shared, &page))).await
@@ -224,7 +223,7 @@ struct ReportQuery {
 
 /// What agents gained over a window, per tenant and harness (`kvmesh-sidecar report`).
 ///
-/// In the router's command only the return-gap histograms (about 20
+/// Under the router's lock only the return-gap histograms (about 20
 /// buckets per harness) are copied; the evicted idle sessions come from the
 /// ledger's last tick, and the ledger builds the report under its own lock,
 /// after.
@@ -299,8 +298,8 @@ async fn workers(State(shared): State<Shared>) -> Result<impl IntoResponse, Stat
 fn workers_page(shared: &Shared) -> serde_json::Value {
     let now = now_ms();
     let views: Vec<WorkerView> = shared.worker_views(now);
-    // One worker's retention residents per command to the router: all of
-    // them at once walked every live session in one command.
+    // One worker's retention residents per hold of the router's lock: all
+    // of them at once walked every live session under it.
     let retained: Vec<(usize, f64)> = (0..views.len())
         .map(|i| {
             let value = shared.worker_retention(WorkerId(i), now);

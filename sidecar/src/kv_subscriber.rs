@@ -91,7 +91,7 @@ async fn read(shared: Shared, worker: String, mut socket: SubSocket) {
             host_only_removed_blocks: applied.host_only_removed_blocks,
             host_only_blocks: (applied.host_tier && cache.exact()).then(|| cache.host_only_blocks()),
         };
-        let Some(effect) = shared.apply_kv_events(&worker, change) else {
+        let Some(effect) = shared.apply_kv_events(&worker, &change) else {
             continue;
         };
         if effect.wiped > 0 {

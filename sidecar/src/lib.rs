@@ -13,11 +13,9 @@
 //!   resident blocks followed from them), [`snapshot`] (the router snapshot's byte codec), [`bounds`]
 //!   (the wire bounds a Pick or Outcome must keep), [`wire`] (proto messages
 //!   into core types and back). They build without the `server` feature.
-//! - shared, below every edge: `state` (`Shared`, the only module that
-//!   sends the router commands, its lock order, `pick` and `report`),
-//!   `owner` (the one thread that owns the router and applies those
-//!   commands in order, and the view of it it publishes), `metrics`
-//!   (Prometheus), `clock` (`now_ms`), `lock`
+//! - shared, below every edge: `state` (`Shared`, the router's one owner
+//!   and the only module that locks it, its lock order, `pick` and
+//!   `report`), `metrics` (Prometheus), `clock` (`now_ms`), `lock`
 //!   (poison-tolerant locking), `config` (flags, environment, file),
 //!   `auth` (the shared token), `report` (rendering the agent report),
 //!   `retention_report` (its retention section: return gaps, hit rate, what
@@ -51,8 +49,6 @@ mod kv_subscriber;
 mod lock;
 #[cfg(feature = "server")]
 mod metrics;
-#[cfg(feature = "server")]
-mod owner;
 #[cfg(feature = "server")]
 mod report;
 #[cfg(feature = "server")]
@@ -116,8 +112,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         session_ttl_ms: settings.session_ttl_secs.saturating_mul(1000),
         ..InsightConfig::default()
     })));
-    let shared =
-        Shared::new(router, insights.clone(), Metrics::new(insights)).context("starting the router's thread")?;
+    let shared = Shared::new(router, insights.clone(), Metrics::new(insights));
     // Kept here as well as in `shared`: Pick only publishes through it, the
     // orderly stop below also flushes it and writes the last snapshot.
     let mut store = None;

@@ -43,8 +43,7 @@ struct FieldLabel {
     field: &'static str,
 }
 
-/// How big the router's tables are, read at scrape time from the view the
-/// router's thread publishes (at most about 100 ms old), and the ledger's.
+/// How big the router's tables are, read at scrape time.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StateSizes {
     pub(crate) sessions: usize,
@@ -59,8 +58,7 @@ pub(crate) struct StateSizes {
 }
 
 /// All sidecar metrics. Per-worker gauges are refreshed at scrape time from
-/// the router's published view, so they never drift from it by more than
-/// about 100 ms.
+/// the router, so they can never drift from it.
 #[derive(Debug)]
 pub(crate) struct Metrics {
     registry: Registry,

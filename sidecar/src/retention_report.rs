@@ -4,7 +4,7 @@
 //! prices given to `kvmesh-sidecar report`) what the same traffic would cost
 //! on a managed API with cache pricing. Counts, times and tokens only.
 //!
-//! Pure: the router's return-gap histograms are copied in one command to it
+//! Pure: the router's return-gap histograms are copied under its lock
 //! ([`FleetSnapshot::take`], for `Shared::fleet_snapshot`), then the admin
 //! edge builds the section from them, the ledger and its last tick's
 //! evicted idle sessions ([`sections`]).
@@ -58,7 +58,7 @@ const GB: f64 = 1e9;
 /// The extra KV per worker the report sizes when not asked.
 pub(crate) const DEFAULT_EXTRA_KV_GB: f64 = 8.0;
 
-/// What the section needs of the router, copied in one command to it: about 20
+/// What the section needs of the router, copied under its lock: about 20
 /// buckets per harness (the evicted idle sessions come from the ledger's
 /// tick, which asked the fleet about them in steps).
 #[derive(Debug, Clone, Default)]

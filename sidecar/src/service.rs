@@ -39,7 +39,7 @@ type PickReplies = Pin<Box<dyn Stream<Item = Result<v1::PickReply, Status>> + Se
 #[tonic::async_trait]
 impl router_server::Router for RouterService {
     async fn pick(&self, request: Request<v1::PickRequest>) -> Result<Response<v1::PickReply>, Status> {
-        match self.shared.pick(request.into_inner()) {
+        match self.shared.pick(&request.into_inner()) {
             Answer::Decided(reply) => Ok(Response::new(reply)),
             Answer::Rejected(violation) => Err(Status::invalid_argument(violation.to_string())),
             Answer::Draining => Err(Status::unavailable("kvmesh-sidecar is shutting down")),
@@ -69,14 +69,11 @@ impl router_server::Router for RouterService {
         let picks =
             futures_util::StreamExt::take_until(request.into_inner(), shared.shutdown.clone().cancelled_owned());
         let replies = picks.map_while(move |pick| match pick {
-            Ok(pick) => {
-                let request_id = pick.request_id;
-                match shared.pick(pick) {
-                    Answer::Decided(reply) => Some(Ok(reply)),
-                    Answer::Rejected(_) => Some(Ok(rejected_reply(request_id))),
-                    Answer::Draining => None,
-                }
-            }
+            Ok(pick) => match shared.pick(&pick) {
+                Answer::Decided(reply) => Some(Ok(reply)),
+                Answer::Rejected(_) => Some(Ok(rejected_reply(pick.request_id))),
+                Answer::Draining => None,
+            },
             Err(status) => Some(Err(status)),
         });
         Ok(Response::new(Box::pin(replies)))

@@ -4,13 +4,9 @@
 //! Outcome goes through whichever edge brought it: `pick` (check, decide,
 //! record, publish) and `report` (clip, learn, record).
 //!
-//! The router itself is owned by one thread (`owner.rs`), fed in order
-//! through a channel; this module is the only one that sends it commands.
-//! An edge reads or changes the router through a narrow method of
-//! `Shared`, one command with owned data in and out, so every command a
-//! Pick may wait behind is here. Reads for readiness, metrics and the
-//! engine watcher's scrape list come from the view the owner's thread
-//! publishes, and send no command.
+//! It is the router's one owner: no other module locks it. An edge reads
+//! or changes the router through a narrow method of `Shared`, one hold of
+//! the lock with owned data out, so every hold a Pick may wait on is here.
 //!
 //! Below every edge: gRPC, admin HTTP, the Redis store, the engine watcher
 //! and shutdown all import this module, and it imports none of them. The
@@ -21,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use kvmesh_core::{
-    Call, EngineCacheChange, EngineCacheEffect, Holdings, Insights, PromptSection, Report, Router, Snapshot, WorkerId,
+    Call, Decision, EngineCacheChange, EngineCacheEffect, Insights, PromptSection, Report, Router, Snapshot, WorkerId,
     WorkerView,
 };
 use kvmesh_proto::v1;
@@ -33,7 +29,6 @@ use crate::clock::now_ms;
 use crate::engine_metrics::EngineSnapshot;
 use crate::lock::lock;
 use crate::metrics::{Metrics, StateSizes};
-use crate::owner::RouterOwner;
 use crate::retention_report::FleetSnapshot;
 use crate::wire;
 
@@ -62,36 +57,31 @@ pub(crate) enum Answer {
 }
 
 /// The routing state every edge shares: cloned into each (the clone is a
-/// handful of `Arc`s and the owner's sender).
+/// handful of `Arc`s).
 ///
-/// The router is owned by one thread (`owner.rs`) that applies commands
-/// in the order they arrive. This module alone sends them, from `pick`,
-/// `report`, the ledger's tick and the narrow methods the edges call
-/// (`tests/one_owner.rs` checks it), so each command's length and what
-/// waits behind it can be seen here. `workers` and `scrape_figures` read
-/// the view the owner's thread publishes instead: at most about 100 ms
-/// old (current as to the worker set), which readiness, the watcher's
-/// scrape list and metrics can afford.
+/// The router's lock is taken in this module alone, by `pick`, `report`,
+/// the ledger's tick and the narrow methods the edges call
+/// (`tests/one_owner.rs` checks it), so each hold's length and place in
+/// the lock order can be seen here.
 ///
-/// Lock order: `ticks` (a pass of the ledger's tick), then `reports`,
-/// then `insights`. No command locks anything: a command that locked the
-/// ledger would wait on a thread that may itself be waiting on the
-/// router, so the ledger consumes each Pick's record after the router's
-/// command has answered, and is never locked inside one. Sending a
-/// command while holding the ledger's lock would make every Pick wait on
-/// the router's queue too: nothing does. Nothing is locked across an
-/// `.await`: the locks are std mutexes held for microseconds, and a
-/// command is waited for on the calling thread, like a lock.
+/// Lock order: `ticks` (a pass of the ledger's tick), then `router` before
+/// `insights`, never the reverse. The ledger
+/// consumes each Pick's record after the router's lock is released (Picks
+/// never wait on it), so the two are rarely held together; where they are
+/// (the figures of a metrics scrape), the router comes first, and a method
+/// that locked the ledger first and then wanted the router could deadlock
+/// against it. Nothing is locked
+/// across an `.await`: both are std mutexes held for microseconds.
 #[derive(Debug, Clone)]
 pub(crate) struct Shared {
-    owner: RouterOwner,
-    /// Fed each pick's record after the router's command has answered;
-    /// never locked inside a command.
+    router: Arc<Mutex<Router>>,
+    /// Fed each pick's record after the router's lock is released; locked
+    /// after `router` when both are needed, never before it.
     insights: Arc<Mutex<Insights>>,
     pub(crate) metrics: Arc<Metrics>,
     /// When the last pass of the ledger's tick ended and how long it took;
     /// held through a pass, so passes never overlap. Locked before
-    /// `insights`, and held while the pass sends the router commands.
+    /// `router` and `insights`.
     ticks: Arc<Mutex<Option<(Instant, std::time::Duration)>>>,
     /// The last window report built for a page: when, how long it took,
     /// its window and the report (see `ledger_report`). Locked before
@@ -105,18 +95,16 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Moves `router` onto its owner's thread. Fails only when the OS
-    /// refuses that thread.
-    pub(crate) fn new(router: Router, insights: Arc<Mutex<Insights>>, metrics: Metrics) -> std::io::Result<Self> {
-        Ok(Self {
-            owner: RouterOwner::start(router)?,
+    pub(crate) fn new(router: Router, insights: Arc<Mutex<Insights>>, metrics: Metrics) -> Self {
+        Self {
+            router: Arc::new(Mutex::new(router)),
             insights,
             metrics: Arc::new(metrics),
             ticks: Arc::default(),
             reports: Arc::default(),
             store: Arc::new(std::sync::OnceLock::new()),
             shutdown: CancellationToken::new(),
-        })
+        }
     }
 
     /// Shutdown has begun.
@@ -124,29 +112,10 @@ impl Shared {
         self.shutdown.is_cancelled()
     }
 
-    /// Runs `f` on the router's thread, after every command sent before
-    /// it, or answers `lost()` when no reply comes back. A lost reply is a
-    /// bug: the command panicked in the core (the panic hook printed why;
-    /// the owner's thread lives on) or the thread is gone. Each caller
-    /// picks the answer that does least harm, documented where it calls.
-    /// Private: edges go through the narrow methods below.
-    fn on_router<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut Router) -> T + Send + 'static,
-        lost: impl FnOnce() -> T,
-    ) -> T {
-        self.owner.run(f).unwrap_or_else(|_| lost())
-    }
-
-    /// As [`Shared::on_router`], and the view is published before it
-    /// answers: for a command that changes the worker set or its health,
-    /// so readiness and the watcher's scrape list see it at once.
-    fn on_router_then_publish<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut Router) -> T + Send + 'static,
-        lost: impl FnOnce() -> T,
-    ) -> T {
-        self.owner.run_and_publish(f).unwrap_or_else(|_| lost())
+    /// The router (see `lock` on poisoning). Private: edges go through the
+    /// narrow methods below.
+    fn router(&self) -> MutexGuard<'_, Router> {
+        lock(&self.router)
     }
 
     /// The insight ledger (see `lock` on poisoning).
@@ -156,23 +125,17 @@ impl Shared {
 
     /// Charges idle sessions, ends the expired, and refreshes the retention
     /// figures and idle lists: one pass of the ledger's tick, in steps of
-    /// [`TICK_STEP`] sessions, each step one hold of the ledger's lock and
-    /// one command to the router. Done whole under the ledger's lock (and
-    /// the router's for the holdings, when it had one), the walk cost
-    /// 0.35 ms per 1,000 sessions, 33-42 ms at 100,000, and every Pick
-    /// waited it out (the filter's timeout is 50 ms).
+    /// [`TICK_STEP`] sessions with each lock released between them. Done
+    /// whole under the ledger's lock (and the router's for the holdings),
+    /// the walk cost 0.35 ms per 1,000 sessions, 33-42 ms at 100,000, and
+    /// every Pick waited it out (the filter's timeout is 50 ms).
     pub(crate) fn tick_insights(&self) {
         let mut ticks = lock(&self.ticks);
         let started = Instant::now();
         let mut pass = self.insights().tick_begin(now_ms());
         loop {
-            let mut step = self.insights().tick_step(&pass, TICK_STEP);
-            // The step's other parts stay here for `tick_apply`, which
-            // does not read the probes.
-            let probes = std::mem::take(&mut step.probes);
-            // A lost reply answers nothing held: this step's idle sessions
-            // are charged as if their prefix were gone, until the next pass.
-            let holdings = self.on_router(move |router| router.holdings(&probes), || Holdings::new([]));
+            let step = self.insights().tick_step(&pass, TICK_STEP);
+            let holdings = self.router().holdings(&step.probes);
             if self.insights().tick_apply(&mut pass, step, &holdings) {
                 break;
             }
@@ -223,12 +186,10 @@ impl Shared {
     }
 }
 
-/// A pause between two holds of the same lock, or two commands to the
-/// router, in a loop. A std mutex is not fair: a thread that unlocks and
-/// locks again at once keeps it while the Picks it woke are still being
-/// scheduled. The router's channel is fair (commands apply in arrival
-/// order), but on two cores a pass that never sleeps takes a core from the
-/// Picks for its whole length: a
+/// A pause between two holds of the same lock in a loop. A std mutex is
+/// not fair: a thread that unlocks and locks again at once keeps it while
+/// the Picks it woke are still being scheduled. And on two cores a pass
+/// that never sleeps takes a core from the Picks for its whole length: a
 /// pass of a hundred steps (100,000 sessions, `kvmesh-bench scale`) held
 /// Picks up to 216 ms with a 50 µs pause, though no step held a lock 1 ms.
 /// At 500 µs a pass runs at most about 40 % of a core and lasts about
@@ -238,7 +199,7 @@ pub(crate) fn between_locks() {
 }
 
 /// Sessions one step of the ledger's tick visits: about 0.35 ms under the
-/// ledger's lock, then their holdings in one command to the router.
+/// ledger's lock, then their holdings under the router's.
 const TICK_STEP: usize = 1000;
 
 /// A page reuses the last tick for this many times its duration.
@@ -259,69 +220,44 @@ struct BuiltReport {
 }
 
 impl Shared {
-    /// Checks one Pick, then decides it and records it. The request moves
-    /// into the router's command (its input borrows it) and comes back
-    /// with the decision, for the ledger, the log and the store.
-    pub(crate) fn pick(&self, req: v1::PickRequest) -> Answer {
+    /// Checks one Pick, then decides it and records it.
+    pub(crate) fn pick(&self, req: &v1::PickRequest) -> Answer {
         if self.draining() {
             self.metrics.observe_refused_draining();
             return Answer::Draining;
         }
         let started = Instant::now();
         let now = now_ms();
-        let sections: Vec<PromptSection> = req.sections.iter().map(PromptSection::from).collect();
-        let probe = {
-            let mut input = wire::pick_input(&req, now);
-            if let Err(violation) = bounds::check_pick(&req, &input) {
-                // Debug, not warn: whoever can send Picks could flood the log.
-                debug!(request_id = req.request_id, "pick rejected: {violation}");
-                self.metrics.observe_rejected(violation.field);
-                return Answer::Rejected(violation);
-            }
-            bounds::clamp_pick(&mut input);
-            let call = Call {
-                input,
-                harness: req.harness(),
-                tenant: &req.tenant,
-                sections: &sections,
-            };
-            // The ledger's one question about the fleet, asked before the
-            // pick and answered in the router's command with the pick itself.
-            self.insights().probe(&call)
-        };
-        let request_id = req.request_id;
-        let routed = self.owner.run(move |router| {
-            // Built again from the checked request: `pick_input` and
-            // `clamp_pick` (a `min`) give the input checked above.
-            let mut input = wire::pick_input(&req, now);
-            bounds::clamp_pick(&mut input);
-            let decision = router.pick(input);
-            let holdings = router.holdings(probe.as_slice());
-            let destinations: Vec<String> = decision
-                .ranked
-                .iter()
-                .filter_map(|id| router.address(*id).map(str::to_owned))
-                .collect();
-            (req, decision, holdings, destinations)
-        });
-        let Ok((req, decision, holdings, destinations)) = routed else {
-            // A lost reply (see `on_router`): no decision, nothing recorded.
-            // No destination, as for a Pick with no workers: the filter
-            // lets Envoy balance the request, as when the sidecar is down.
-            return Answer::Decided(v1::PickReply {
-                request_id,
-                ..v1::PickReply::default()
-            });
-        };
-        let mut input = wire::pick_input(&req, now);
+        let mut input = wire::pick_input(req, now);
+        if let Err(violation) = bounds::check_pick(req, &input) {
+            // Debug, not warn: whoever can send Picks could flood the log.
+            debug!(request_id = req.request_id, "pick rejected: {violation}");
+            self.metrics.observe_rejected(violation.field);
+            return Answer::Rejected(violation);
+        }
         bounds::clamp_pick(&mut input);
+        let sections: Vec<PromptSection> = req.sections.iter().map(PromptSection::from).collect();
         let call = Call {
             input,
             harness: req.harness(),
             tenant: &req.tenant,
             sections: &sections,
         };
-        // The ledger consumes the record once the router has answered.
+        // The ledger's one question about the fleet, asked before the pick
+        // and answered under the router's lock with the pick itself.
+        let probe = self.insights().probe(&call);
+        let (decision, holdings, destinations) = {
+            let mut router = self.router();
+            let decision: Decision = router.pick(input);
+            let holdings = router.holdings(probe.as_slice());
+            let destinations: Vec<String> = decision
+                .ranked
+                .iter()
+                .filter_map(|id| router.address(*id).map(str::to_owned))
+                .collect();
+            (decision, holdings, destinations)
+        };
+        // The ledger consumes the record with the router's lock released.
         self.insights().on_pick(&call, &decision, &holdings);
         debug!(
             session = %req.session_id,
@@ -367,39 +303,29 @@ impl Shared {
             );
             self.metrics.observe_outcome_field_dropped(field);
         }
-        let reported = wire::outcome_from_wire(&outcome);
-        let destination = std::mem::take(&mut outcome.destination);
-        let (known, usage, served, refused) = self.on_router(
-            move |router| {
-                let mut core = reported;
-                let refused = router.check_usage(&core).err();
-                if refused.is_some() {
-                    core.prompt_tokens = None;
-                    core.cached_tokens = None;
-                }
-                let served = router.worker_id(&destination);
-                // A call Envoy retried on another worker (the picked one was
-                // down) says nothing about the picked worker's cache: its
-                // cached tokens must not shrink that worker's capacity
-                // estimate.
-                let mut learned = core;
-                if let (Some(served), Some(picked)) = (served, router.picked_worker(core.pick_id))
-                    && served != picked
-                {
-                    learned.cached_tokens = None;
-                }
-                let known = router.report_at(learned, now_ms());
-                (known, core, served, refused)
-            },
-            // A lost reply (see `on_router`): counted as an unknown pick;
-            // the ledger still releases its record below.
-            || (false, reported, None, None),
-        );
-        if let Some(err) = refused {
-            debug!(pick_id = outcome.pick_id, "usage dropped: {err}");
-            self.metrics.observe_usage_rejected(err.as_str());
-        }
-        // The ledger once the router has answered, as for a pick.
+        let (known, usage, served) = {
+            let mut router = self.router();
+            let mut core = wire::outcome_from_wire(&outcome);
+            if let Err(err) = router.check_usage(&core) {
+                debug!(pick_id = outcome.pick_id, "usage dropped: {err}");
+                self.metrics.observe_usage_rejected(err.as_str());
+                core.prompt_tokens = None;
+                core.cached_tokens = None;
+            }
+            let served = router.worker_id(&outcome.destination);
+            // A call Envoy retried on another worker (the picked one was
+            // down) says nothing about the picked worker's cache: its
+            // cached tokens must not shrink that worker's capacity estimate.
+            let mut learned = core;
+            if let (Some(served), Some(picked)) = (served, router.picked_worker(outcome.pick_id))
+                && served != picked
+            {
+                learned.cached_tokens = None;
+            }
+            let known = router.report_at(learned, now_ms());
+            (known, core, served)
+        };
+        // The ledger after the router's lock, as for a pick.
         self.insights().on_outcome(
             usage.pick_id,
             usage.prompt_tokens,
@@ -422,41 +348,39 @@ pub(crate) struct SessionView {
     pub(crate) parent: Option<String>,
 }
 
-/// What each edge reads of the router or does to it: one command per call
-/// (or a read of the published view, where said), with what the edge did
-/// in the same order, owned data in and out. A loop that sends commands in
-/// steps calls [`between_locks`] between them. Each says what a lost reply
-/// (see `on_router`) answers.
+/// What each edge reads of the router or does to it: one hold of the
+/// router's lock per call, with what the edge did under that hold and in
+/// the same order, owned data out. A loop that holds it in steps calls
+/// [`between_locks`] between them.
 impl Shared {
-    /// The workers (readiness, the engine watcher's scrape list), from the
-    /// published view: at most about 100 ms old, and current as to which
-    /// workers exist (adding or removing one publishes).
+    /// The workers (readiness, the engine watcher's scrape list).
     pub(crate) fn workers(&self) -> Vec<WorkerView> {
-        self.owner.view().workers.clone()
+        self.router().workers()
     }
 
     /// The workers with their prefill queues drained to `now` (a page read
-    /// while no Pick arrives shows what is still queued). Lost: the
-    /// published view's workers.
+    /// while no Pick arrives shows what is still queued).
     pub(crate) fn worker_views(&self, now: u64) -> Vec<WorkerView> {
-        self.on_router(move |router| router.workers_at(now), || self.workers())
+        self.router().workers_at(now)
     }
 
-    /// What a metrics scrape renders: the workers and the sizes of the
-    /// router's tables from the published view (at most about 100 ms old),
-    /// and the ledger's sizes as of now. The workers' prefill queues are as
-    /// of the last Pick (metrics render no queue).
+    /// What a metrics scrape renders: the workers as of now and the sizes
+    /// of the router's and the ledger's tables, read in one hold of both.
     pub(crate) fn scrape_figures(&self) -> (Vec<WorkerView>, StateSizes) {
-        let view = self.owner.view();
+        let router = self.router();
+        let index = router.index();
+        // Router first, then the ledger: the order documented on `Shared`.
+        // One guard: a second lock of the ledger in the same expression
+        // would wait on the first forever.
         let insights = self.insights();
         (
-            view.workers.clone(),
+            router.workers_at(now_ms()),
             StateSizes {
-                sessions: view.sessions,
-                index_entries: view.index_entries,
-                index_bytes: view.index_bytes,
-                models: view.models,
-                trace_carriers: view.trace_carriers,
+                sessions: router.sessions().len(),
+                index_entries: index.entries(),
+                index_bytes: index.memory_bytes(),
+                models: router.models(),
+                trace_carriers: router.sessions().traces(),
                 trace_bytes: insights.trace_memory_bytes(),
                 lane_sessions: insights.lane_sessions(),
             },
@@ -464,200 +388,135 @@ impl Shared {
     }
 
     /// How many sessions the router follows, and the workers' addresses
-    /// (indexed by worker id), read together in one command. Not from the
-    /// published view: `/debug/sessions` reports this count beside rows it
-    /// reads by command, and a count up to 100 ms old disagreed with them
-    /// (0 beside 5 rows in `tests/debug_pages.rs`). Lost: the published
-    /// view's.
+    /// (indexed by worker id), read together.
     pub(crate) fn session_count_and_addresses(&self) -> (usize, Vec<String>) {
-        let addresses = |workers: Vec<WorkerView>| workers.into_iter().map(|w| w.address).collect();
-        self.on_router(
-            move |router| (router.sessions().len(), addresses(router.workers())),
-            || {
-                let view = self.owner.view();
-                (view.sessions, addresses(view.workers.clone()))
-            },
-        )
+        let router = self.router();
+        let addresses: Vec<String> = router.workers().into_iter().map(|w| w.address).collect();
+        (router.sessions().len(), addresses)
     }
 
     /// Up to `want` sessions seen before `cursor` (`u64::MAX`: the newest),
-    /// newest first, and the cursor to go on from. Lost: none, and
-    /// `cursor` again, which ends a page's walk.
+    /// newest first, and the cursor to go on from.
     pub(crate) fn sessions_before(&self, cursor: u64, want: usize) -> (Vec<SessionView>, u64) {
-        self.on_router(
-            move |router| {
-                let table = router.sessions();
-                let (found, resume) = table.newest_before(cursor, want);
-                let sessions = found
-                    .iter()
-                    .map(|&(id, home, seen)| SessionView {
-                        session: id.to_owned(),
-                        home,
-                        last_seen_ms: seen,
-                        parent: table.parent(id).map(str::to_owned),
-                    })
-                    .collect();
-                (sessions, resume)
-            },
-            || (Vec::new(), cursor),
-        )
+        let router = self.router();
+        let table = router.sessions();
+        let (found, resume) = table.newest_before(cursor, want);
+        let sessions = found
+            .iter()
+            .map(|&(id, home, seen)| SessionView {
+                session: id.to_owned(),
+                home,
+                last_seen_ms: seen,
+                parent: table.parent(id).map(str::to_owned),
+            })
+            .collect();
+        (sessions, resume)
     }
 
     /// As [`Shared::sessions_before`], counting the sessions without
-    /// copying them (a page's offset, skipped). Lost: none, and `cursor`.
+    /// copying them (a page's offset, skipped).
     pub(crate) fn count_sessions_before(&self, cursor: u64, want: usize) -> (usize, u64) {
-        self.on_router(
-            move |router| {
-                let (found, resume) = router.sessions().newest_before(cursor, want);
-                (found.len(), resume)
-            },
-            || (0, cursor),
-        )
+        let router = self.router();
+        let (found, resume) = router.sessions().newest_before(cursor, want);
+        (found.len(), resume)
     }
 
     /// One worker's retention residents: its session blocks and their
-    /// value in blocks. Walks that worker's live sessions. Lost: none.
+    /// value in blocks. Walks that worker's live sessions.
     pub(crate) fn worker_retention(&self, worker: WorkerId, now: u64) -> (usize, f64) {
-        self.on_router(move |router| router.retention().worker_value(worker, now), || (0, 0.0))
+        self.router().retention().worker_value(worker, now)
     }
 
-    /// The return-gap histograms the agent report's retention section
-    /// needs. Lost: none (the section shows no gaps).
+    /// The return-gap histograms the agent report's retention section needs.
     pub(crate) fn fleet_snapshot(&self) -> FleetSnapshot {
-        self.on_router(|router| FleetSnapshot::take(router), FleetSnapshot::default)
+        FleetSnapshot::take(&self.router())
     }
 
     /// A failed scrape of the worker at `address`: marked down when
-    /// `mark_down` (published at once, for readiness). False when the
-    /// router does not know the worker, or the reply was lost.
+    /// `mark_down`. False when the router does not know the worker.
     pub(crate) fn engine_unreachable(&self, address: &str, mark_down: bool) -> bool {
-        let address = address.to_owned();
-        let command = move |router: &mut Router| {
-            let Some(id) = router.worker_id(&address) else {
-                return false;
-            };
-            if mark_down {
-                router.set_healthy(id, false);
-            }
-            true
+        let mut router = self.router();
+        let Some(id) = router.worker_id(address) else {
+            return false;
         };
         if mark_down {
-            self.on_router_then_publish(command, || false)
-        } else {
-            self.on_router(command, || false)
+            router.set_healthy(id, false);
         }
+        true
     }
 
     /// A successful scrape of the worker at `address`: marked healthy, its
     /// blocks forgotten when the engine `restarted`, then its engine's
     /// figures. Returns the blocks the restart forgot (0 without one), or
-    /// `None` when the router does not know the worker or the reply was
-    /// lost. A worker the view shows down is published up at once.
+    /// `None` when the router does not know the worker.
     pub(crate) fn engine_scraped(&self, address: &str, snapshot: &EngineSnapshot, restarted: bool) -> Option<usize> {
-        // The watcher keeps its snapshot to compare the next with; a copy
-        // is a dozen numbers.
-        let snapshot = snapshot.clone();
-        let address = address.to_owned();
-        let comes_up = self
-            .owner
-            .view()
-            .workers
-            .iter()
-            .any(|w| w.address == address && !w.healthy);
-        let command = move |router: &mut Router| {
-            let id = router.worker_id(&address)?;
-            router.set_healthy(id, true);
-            let dropped = if restarted { router.restart(id) } else { 0 };
-            if let Some(waiting) = snapshot.waiting {
-                router.set_engine_waiting(id, waiting);
-            }
-            router.set_engine_activity(id, snapshot.running, snapshot.kv_usage);
-            if let Some(tokens) = snapshot.block_size_tokens {
-                router.set_engine_block_tokens(id, tokens);
-            }
-            if let Some(tokens) = snapshot.capacity_tokens {
-                router.set_engine_capacity_tokens(id, tokens);
-            }
-            Some(dropped)
-        };
-        if comes_up {
-            self.on_router_then_publish(command, || None)
-        } else {
-            self.on_router(command, || None)
+        let mut router = self.router();
+        let id = router.worker_id(address)?;
+        router.set_healthy(id, true);
+        let dropped = if restarted { router.restart(id) } else { 0 };
+        if let Some(waiting) = snapshot.waiting {
+            router.set_engine_waiting(id, waiting);
         }
+        router.set_engine_activity(id, snapshot.running, snapshot.kv_usage);
+        if let Some(tokens) = snapshot.block_size_tokens {
+            router.set_engine_block_tokens(id, tokens);
+        }
+        if let Some(tokens) = snapshot.capacity_tokens {
+            router.set_engine_capacity_tokens(id, tokens);
+        }
+        Some(dropped)
     }
 
     /// Adds the workers at `appeared` and removes those at `vanished`, in
-    /// one command, and publishes the view before answering (the watcher
-    /// scrapes the new list at once). Returns the added workers' ids (in
-    /// the order of `appeared`) and the indices into `vanished` of the
-    /// addresses the router knew. Lost: none added, none removed.
-    pub(crate) fn add_and_remove_workers(
+    /// one hold. Returns the added workers' ids (in the order of
+    /// `appeared`) and the vanished addresses the router knew.
+    pub(crate) fn add_and_remove_workers<'a>(
         &self,
         appeared: &[String],
-        vanished: &[String],
-    ) -> (Vec<WorkerId>, Vec<usize>) {
-        // Copied: the watcher logs them once the router has answered.
-        let (appeared, vanished) = (appeared.to_vec(), vanished.to_vec());
-        self.on_router_then_publish(
-            move |router| {
-                let added = appeared.iter().map(|address| router.add_worker(address)).collect();
-                let mut removed = Vec::new();
-                for (i, address) in vanished.iter().enumerate() {
-                    if let Some(id) = router.worker_id(address) {
-                        router.remove(id);
-                        removed.push(i);
-                    }
-                }
-                (added, removed)
-            },
-            || (Vec::new(), Vec::new()),
-        )
+        vanished: &'a [String],
+    ) -> (Vec<WorkerId>, Vec<&'a str>) {
+        let mut router = self.router();
+        let added = appeared.iter().map(|address| router.add_worker(address)).collect();
+        let mut removed = Vec::new();
+        for address in vanished {
+            if let Some(id) = router.worker_id(address) {
+                router.remove(id);
+                removed.push(address.as_str());
+            }
+        }
+        (added, removed)
     }
 
     /// Ends up to [`kvmesh_core::EXPIRE_STEP`] sessions idle past their TTL
-    /// at `now`; returns how many it ended. Lost: 0 (the pass stops).
+    /// at `now`; returns how many it ended.
     pub(crate) fn expire_sessions_step(&self, now: u64) -> usize {
-        self.on_router(move |router| router.expire_sessions(now), || 0)
+        self.router().expire_sessions(now)
     }
 
     /// Applies one batch of the KV events of the engine at `worker`, or
-    /// `None` when the router does not know that worker or the reply was
-    /// lost.
-    pub(crate) fn apply_kv_events(&self, worker: &str, change: EngineCacheChange) -> Option<EngineCacheEffect> {
-        let worker = worker.to_owned();
-        self.on_router(
-            move |router| {
-                let id = router.worker_id(&worker)?;
-                Some(router.engine_events(id, &change))
-            },
-            || None,
-        )
+    /// `None` when the router does not know that worker.
+    pub(crate) fn apply_kv_events(&self, worker: &str, change: &EngineCacheChange) -> Option<EngineCacheEffect> {
+        let mut router = self.router();
+        let id = router.worker_id(worker)?;
+        Some(router.engine_events(id, change))
     }
 
-    /// Everything needed to restart warm (see [`Router::snapshot`]). Lost:
-    /// `None`, and no snapshot is written (an empty one would replace the
-    /// last good one).
-    pub(crate) fn routing_snapshot(&self) -> Option<Snapshot> {
-        self.on_router(|router| Some(router.snapshot()), || None)
+    /// Everything needed to restart warm (see [`Router::snapshot`]).
+    pub(crate) fn routing_snapshot(&self) -> Snapshot {
+        self.router().snapshot()
     }
 
     /// Loads a snapshot taken by [`Shared::routing_snapshot`], here or on
-    /// another replica. Lost: nothing loaded (the replica starts cold).
-    pub(crate) fn restore_routing(&self, snapshot: Snapshot) {
-        self.on_router(move |router| router.restore(&snapshot), || ());
+    /// another replica.
+    pub(crate) fn restore_routing(&self, snapshot: &Snapshot) {
+        self.router().restore(snapshot);
     }
 
-    /// Other replicas' placements, applied in order in one command. Lost:
-    /// none applied.
-    pub(crate) fn observe_placements(&self, placements: Vec<Placement>, now: u64) {
-        self.on_router(
-            move |router| {
-                for placement in &placements {
-                    router.observe_placement(&placement.worker, &placement.blocks, &placement.session, now);
-                }
-            },
-            || (),
-        );
+    /// Other replicas' placements, applied in order in one hold.
+    pub(crate) fn observe_placements(&self, placements: &[Placement], now: u64) {
+        let mut router = self.router();
+        for placement in placements {
+            router.observe_placement(&placement.worker, &placement.blocks, &placement.session, now);
+        }
     }
 }

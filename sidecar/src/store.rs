@@ -167,10 +167,9 @@ async fn restore(conn: &ConnectionManager, keys: &Keys, shared: &Shared) -> Stri
     match stored {
         Ok(Some(bytes)) => match decode_snapshot(&bytes) {
             Some((id, snapshot)) => {
+                shared.restore_routing(&snapshot);
                 let blocks: usize = snapshot.workers.iter().map(|(_, b)| b.len()).sum();
-                let sessions = snapshot.sessions.len();
-                shared.restore_routing(snapshot);
-                info!(blocks, sessions, from = %id, "warm start from the redis snapshot");
+                info!(blocks, sessions = snapshot.sessions.len(), from = %id, "warm start from the redis snapshot");
                 id
             }
             None => {
@@ -349,9 +348,9 @@ async fn read(
                 }
                 let Some(reply) = reply else { continue };
                 let now = now_ms();
-                // Decoded here, applied in one command to the router; the
-                // id read on from moves past them only once it answered, so
-                // a snapshot never claims entries the router lacks.
+                // Decoded before the router's lock, applied in one hold of
+                // it; the id read on from moves past them only then, so a
+                // snapshot never claims entries the router lacks.
                 let mut placements = Vec::new();
                 let mut newest = None;
                 for key in reply.keys {
@@ -374,7 +373,7 @@ async fn read(
                         newest = Some(entry.id);
                     }
                 }
-                shared.observe_placements(placements, now);
+                shared.observe_placements(&placements, now);
                 if let Some(newest) = newest
                     && let Ok(mut id) = last_id.lock()
                 {
@@ -414,11 +413,7 @@ async fn snapshots(
 /// Writes the router's state with the stream id it covers.
 async fn write_snapshot(conn: &ConnectionManager, keys: &Keys, shared: &Shared, last_id: &Mutex<String>) {
     let id = last_id.lock().map(|id| id.clone()).unwrap_or_else(|_| "0-0".to_owned());
-    let Some(snapshot) = shared.routing_snapshot() else {
-        // Kept: the last snapshot written is better than an empty one.
-        warn!("no routing snapshot to write: the router's thread did not answer");
-        return;
-    };
+    let snapshot = shared.routing_snapshot();
     let bytes = encode_snapshot(&id, &snapshot);
     let mut conn = conn.clone();
     let written: redis::RedisResult<()> = redis::cmd("SET")

@@ -137,7 +137,7 @@ pub(crate) async fn resolve_workers(shared: Shared, names: Vec<String>, interval
         for (addr, id) in appeared.iter().zip(added) {
             info!(worker = %addr, id = id.0, "worker discovered");
         }
-        for addr in removed.into_iter().filter_map(|i| vanished.get(i)) {
+        for addr in removed {
             info!(worker = %addr, "worker gone from DNS: removed");
         }
         known = current;
@@ -166,7 +166,7 @@ pub(crate) async fn expire_sessions(shared: Shared, interval: Duration) {
 }
 
 /// Ends every session idle past its TTL at `now`, one step of
-/// [`kvmesh_core::EXPIRE_STEP`] sessions per command to the router;
+/// [`kvmesh_core::EXPIRE_STEP`] sessions per hold of the router's lock;
 /// returns how many it ended.
 fn end_idle_sessions(shared: &Shared, now: u64) -> usize {
     let mut ended = 0;
@@ -176,11 +176,10 @@ fn end_idle_sessions(shared: &Shared, now: u64) -> usize {
         if step < kvmesh_core::EXPIRE_STEP {
             return ended;
         }
-        // Another step follows. The router's queue is fair (a Pick waits
-        // behind one step at most), but sent back to back the steps of a
-        // mass expiry would keep the router's thread busy for all of them,
-        // and on two cores that is a core the Picks' threads lose: the
-        // pause spreads them out, as in the ledger's tick.
+        // Another step follows. Taken again at once, the lock (not fair)
+        // would stay with this thread while the Picks it woke are still
+        // being scheduled, and a mass expiry would hold them for all its
+        // steps: the pause lets them in, as in the ledger's tick.
         crate::state::between_locks();
     }
 }

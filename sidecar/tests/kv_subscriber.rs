@@ -103,9 +103,7 @@ async fn captured_vllm_messages_reach_the_router_through_a_bound_sub_socket() {
     wait_until("eight batches", || sidecar.metric(&batches) == Some(8.0));
     assert_eq!(resident(&sidecar), Some(2));
     let resident_series = format!("kvmesh_worker_engine_resident_blocks{{worker=\"{WORKER}\"}}");
-    // Per-worker gauges come from the view the router's thread publishes,
-    // at most about 100 ms after the batch (`/debug/workers` asks it).
-    wait_until("the resident gauge", || sidecar.metric(&resident_series) == Some(2.0));
+    assert_eq!(sidecar.metric(&resident_series), Some(2.0));
 
     // Garbage: counted, dropped.
     let before = sidecar.metric(&errors).unwrap_or(0.0);
@@ -121,7 +119,7 @@ async fn captured_vllm_messages_reach_the_router_through_a_bound_sub_socket() {
     publisher.send(message(FIXTURES[2])).await.unwrap();
     wait_until("two gaps", || sidecar.metric(&gaps) == Some(2.0));
     assert_eq!(resident(&sidecar), None);
-    wait_until("no resident gauge", || sidecar.metric(&resident_series).is_none());
+    assert_eq!(sidecar.metric(&resident_series), None);
     let mut sidecar = sidecar;
     assert!(sidecar.alive());
 }

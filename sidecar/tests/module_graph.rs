@@ -21,7 +21,6 @@ const SHARED: &[&str] = &[
     "config",
     "lock",
     "metrics",
-    "owner",
     "report",
     "retention_report",
     "state",

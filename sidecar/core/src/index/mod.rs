@@ -205,6 +205,15 @@ pub struct PrefixIndex {
     /// is recorded per (block, worker). Any removal or insert since the
     /// walk ends their use (`trail_live`).
     trail: Vec<u32>,
+    /// Leading entries of `trail` each already its successor's `older` in
+    /// the worker's LRU list and linked to it by `successor`, as the walk
+    /// read them (0 when the walk counted host-only blocks): a placement
+    /// of the same request finds them already in order, and moves them as
+    /// one run without reading them again.
+    trail_linked: usize,
+    /// The placement's share of `trail_linked`: `placed[i]` for `i` in this
+    /// range is linked so to `placed[i + 1]` (set by `walked_prefix`).
+    placed_linked: std::ops::Range<usize>,
     trail_worker: u32,
     trail_from: usize,
     trail_start: Vec<u32>,
@@ -249,6 +258,8 @@ impl PrefixIndex {
             holding: Vec::new(),
             placed: Vec::new(),
             trail: Vec::new(),
+            trail_linked: 0,
+            placed_linked: 0..0,
             trail_worker: NIL,
             trail_from: 0,
             trail_start: Vec::new(),
@@ -453,6 +464,7 @@ impl PrefixIndex {
         // a node read per matched block).
         let tiered = self.hosts.iter().any(|h| h.len > 0);
         self.trail.clear();
+        self.trail_linked = 0;
         self.trail_worker = NIL;
         self.trail_from = hashes.len();
         self.trail_walk = self.trail_walk.wrapping_add(1);
@@ -662,6 +674,11 @@ impl PrefixIndex {
         // the links: following `successor` alone waits for each node's load
         // before the next can start. A guess is checked as a link is.
         let mut previous = NIL;
+        // The previous node's `older`, and whether every trail entry so far
+        // is linked to the next (see `trail_linked`).
+        let mut previous_older = NIL;
+        let mut linked = !tiered;
+        let mut linked_count = 0;
         for (i, &hash) in hashes.iter().enumerate().skip(from) {
             let holds = |node: u32| {
                 self.nodes
@@ -673,7 +690,12 @@ impl PrefixIndex {
                 .or_else(|| (successor != NIL).then(|| holds(successor)).flatten())
                 .or_else(|| self.find(w, hash).map(|next| (next, self.nodes[next as usize])));
             let Some((next, n)) = found else { break };
+            if previous != NIL {
+                linked = linked && previous_older == next && successor == next;
+                linked_count += usize::from(linked);
+            }
             previous = next;
+            previous_older = n.older;
             successor = n.successor;
             last = i as u32;
             self.trail.push(next);
@@ -681,6 +703,7 @@ impl PrefixIndex {
                 host += u32::from(n.host_only());
             }
         }
+        self.trail_linked = linked_count;
         self.last_match[wi] = last;
         self.host_run[wi] = host;
     }
@@ -717,7 +740,9 @@ impl PrefixIndex {
         // against its block, so a walk of other blocks is never used).
         let mut placed = std::mem::take(&mut self.placed);
         placed.clear();
+        self.placed_linked = 0..0;
         self.walked_prefix(w, hashes, &mut placed);
+        let linked = std::mem::replace(&mut self.placed_linked, 0..0);
         self.follow(worker_u32, &hashes[placed.len()..], &mut placed);
         // Backward: touch or create each block, last first (so the first
         // block ends newest), and link each to the block after it. Blocks
@@ -734,6 +759,14 @@ impl PrefixIndex {
         // `older` is the next, as in the list now.
         let (mut run_first, mut run_last) = (NIL, NIL);
         for (i, &hash) in hashes.iter().enumerate().rev() {
+            // The walk read this node, its worker's GPU node of this block,
+            // already the next block's `older` and linked to it: it extends
+            // the run that node began, as `read_for_touch` would find.
+            if linked.contains(&i) && run_first != NIL && placed.get(i + 1) == Some(&run_first) {
+                run_first = placed[i];
+                after = run_first;
+                continue;
+            }
             let mut found = placed[i];
             let mut read = self.read_for_touch(found, worker_u32, hash, after);
             if read == Touch::NotIts {
@@ -895,6 +928,9 @@ impl PrefixIndex {
         if self.nodes[node as usize].host_only() {
             return;
         }
+        // A walk's linked run may hold this node: it is no longer a GPU
+        // node in that order.
+        self.trail_linked = 0;
         self.unlink_lru(node);
         let w = self.nodes[node as usize].worker() as usize;
         self.workers[w].len -= 1;
@@ -1001,6 +1037,10 @@ impl PrefixIndex {
         self.follow(w as u32, &hashes[1..alone_from], placed);
         let recorded = self.trail.len().min(run - alone_from);
         placed.extend_from_slice(&self.trail[..recorded]);
+        if self.trail_worker == w as u32 {
+            let linked = self.trail_linked.min(recorded.saturating_sub(1));
+            self.placed_linked = alone_from..alone_from + linked;
+        }
     }
 
     /// Moves the run of worker `w`'s GPU nodes from `first` (the newest

@@ -21,7 +21,7 @@ mod seeded;
 mod sessions;
 mod usage;
 
-pub use index::PrefixIndex;
+pub use index::{PrefixIndex, Walk};
 pub use insight::{
     BreakPoint, BreakStats, Call, Figure, Figures, Harness, IDLE_LIST_MAX, IdleSession, InsightConfig, Insights,
     LabelId, Lane, MoveReason, NO_TENANT, OTHER_TENANT, PromptSection, Report, Retention, SectionKind, SessionLanes,

@@ -171,6 +171,16 @@ enum Touch {
     NotIts,
 }
 
+/// A walk of `hashes` ([`PrefixIndex::overlaps_by_tier`]), handed to the
+/// placement of the same blocks ([`PrefixIndex::insert_walked`]). It
+/// borrows the blocks, so they are the very ones walked and unchanged.
+#[derive(Debug, Clone, Copy)]
+pub struct Walk<'a> {
+    hashes: &'a [u64],
+    /// The walk's stamp: a later walk makes this one stale.
+    walk: u32,
+}
+
 /// Block hash → holders, with per-worker LRU order and capacity.
 #[derive(Debug, Clone)]
 pub struct PrefixIndex {
@@ -446,8 +456,22 @@ impl PrefixIndex {
     /// `overlaps`, and for every worker how many of those leading blocks it
     /// holds in host memory only, written into `host_only` when given. A
     /// run goes on across tiers: the engine loads host blocks back and
-    /// reuses them as its own.
-    pub fn overlaps_by_tier(&mut self, hashes: &[u64], overlaps: &mut Vec<usize>, host_only: Option<&mut Vec<usize>>) {
+    /// reuses them as its own. The [`Walk`] it returns lets a placement of
+    /// these very blocks reuse what the walk read ([`PrefixIndex::insert_walked`]).
+    pub fn overlaps_by_tier<'a>(
+        &mut self,
+        hashes: &'a [u64],
+        overlaps: &mut Vec<usize>,
+        host_only: Option<&mut Vec<usize>>,
+    ) -> Walk<'a> {
+        self.walk_blocks(hashes, overlaps, host_only);
+        Walk {
+            hashes,
+            walk: self.trail_walk,
+        }
+    }
+
+    fn walk_blocks(&mut self, hashes: &[u64], overlaps: &mut Vec<usize>, host_only: Option<&mut Vec<usize>>) {
         overlaps.clear();
         overlaps.resize(self.workers.len(), 0);
         self.alive.clear();
@@ -729,6 +753,20 @@ impl PrefixIndex {
     /// newest: engines free a finished request's blocks tail first, and
     /// evict the ends of prefixes before their shared beginnings.
     pub fn insert(&mut self, worker: WorkerId, hashes: &[u64]) -> usize {
+        self.insert_blocks(worker, hashes, false)
+    }
+
+    /// `insert` of the blocks `walk` walked, just after that walk: the run
+    /// of a worker's nodes the walk found already in order is moved whole,
+    /// without reading each node again. The walk's borrow of the blocks
+    /// is what makes that safe: they cannot have changed since, and a walk
+    /// of other blocks is not one this accepts.
+    pub fn insert_walked(&mut self, worker: WorkerId, walk: Walk<'_>) -> usize {
+        let latest = walk.walk == self.trail_walk;
+        self.insert_blocks(worker, walk.hashes, latest)
+    }
+
+    fn insert_blocks(&mut self, worker: WorkerId, hashes: &[u64], walked: bool) -> usize {
         let w = worker.0;
         if w >= self.workers.len() {
             return 0;
@@ -743,6 +781,7 @@ impl PrefixIndex {
         self.placed_linked = 0..0;
         self.walked_prefix(w, hashes, &mut placed);
         let linked = std::mem::replace(&mut self.placed_linked, 0..0);
+        let linked = if walked { linked } else { 0..0 };
         self.follow(worker_u32, &hashes[placed.len()..], &mut placed);
         // Backward: touch or create each block, last first (so the first
         // block ends newest), and link each to the block after it. Blocks

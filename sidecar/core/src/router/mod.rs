@@ -71,7 +71,7 @@ use hashbrown::HashMap;
 use kvmesh_vocab::Lane;
 use kvmesh_vocab::limits::MAX_PROMPT_TOKENS;
 
-use crate::index::PrefixIndex;
+use crate::index::{PrefixIndex, Walk};
 use crate::lineage::ParentName;
 use crate::lru::LruMap;
 use crate::models::ModelRates;
@@ -368,10 +368,11 @@ impl Router {
         candidates.clear();
         evictions.clear();
         evictions.resize(self.workers.len(), None);
-        match known_overlaps {
-            None => self
-                .index
-                .overlaps_by_tier(full, &mut overlaps, Some(&mut host_overlaps)),
+        let walk = match known_overlaps {
+            None => Some(
+                self.index
+                    .overlaps_by_tier(full, &mut overlaps, Some(&mut host_overlaps)),
+            ),
             Some(known) => {
                 overlaps.resize(self.workers.len(), 0);
                 host_overlaps.resize(self.workers.len(), 0);
@@ -381,8 +382,9 @@ impl Router {
                         *host_slot = host.min(*slot);
                     }
                 }
+                None
             }
-        }
+        };
         let mut costs = vec![None; self.workers.len()];
         for (i, w) in self.workers.iter().enumerate() {
             if !w.pickable() {
@@ -506,7 +508,7 @@ impl Router {
         self.note_block_size(chosen.id, block_bytes, input.model);
         let session = self.place(
             chosen.id,
-            full,
+            walk,
             full.len().saturating_sub(chosen.overlap),
             lineage.to_record.as_deref(),
             &input,
@@ -585,12 +587,16 @@ impl Router {
     fn place(
         &mut self,
         id: WorkerId,
-        full_blocks: &[u64],
+        walk: Option<Walk<'_>>,
         new_blocks: usize,
         parent: Option<&str>,
         input: &PickInput<'_>,
     ) -> Option<SessionId> {
-        self.index.insert(id, full_blocks);
+        // After the walk of these blocks, the placement reuses what it read.
+        match walk {
+            Some(walk) => self.index.insert_walked(id, walk),
+            None => self.index.insert(id, input.full_blocks()),
+        };
         if let Some(worker) = self.workers.get_mut(id.0) {
             worker.placed_since_events = worker.placed_since_events.saturating_add(new_blocks);
         }

@@ -111,11 +111,13 @@ proptest! {
                     request.extend(blocks);
                     let mut seen = std::collections::HashSet::new();
                     request.retain(|b| seen.insert(*b));
-                    index.overlaps(&request, &mut overlaps);
+                    // As the router places a request: the walk, then the
+                    // placement of the blocks walked.
+                    let walk = index.overlaps_by_tier(&request, &mut overlaps, None);
                     for (w, overlap) in overlaps.iter().enumerate() {
                         prop_assert_eq!(*overlap, model.overlap(w, &request), "worker {}", w);
                     }
-                    let evicted = index.insert(WorkerId(worker), &request);
+                    let evicted = index.insert_walked(WorkerId(worker), walk);
                     prop_assert_eq!(evicted, model.insert(worker, &request));
                     placed.push(request);
                 }
@@ -238,7 +240,10 @@ proptest! {
                 TierOp::Insert { worker, blocks } => {
                     let mut seen = std::collections::HashSet::new();
                     let blocks: Vec<u64> = blocks.into_iter().filter(|b| seen.insert(*b)).collect();
-                    prop_assert_eq!(index.insert(WorkerId(worker), &blocks), model.insert(worker, &blocks));
+                    // Walked first, as the router places a request (a walk
+                    // over host-only blocks must not be taken as a GPU run).
+                    let walk = index.overlaps_by_tier(&blocks, &mut overlaps, Some(&mut host));
+                    prop_assert_eq!(index.insert_walked(WorkerId(worker), walk), model.insert(worker, &blocks));
                 }
                 TierOp::Lookup { blocks } => {
                     index.overlaps_by_tier(&blocks, &mut overlaps, Some(&mut host));

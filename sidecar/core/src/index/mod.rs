@@ -229,6 +229,9 @@ pub struct PrefixIndex {
     trail_start: Vec<u32>,
     trail_walks: Vec<u32>,
     trail_walk: u32,
+    /// Where the latest walk's blocks were (address and length): with the
+    /// stamp, what tells a [`Walk`] of this index from one of another.
+    walked_blocks: (usize, usize),
     trail_live: bool,
     /// Entries allowed in all, from the operator's byte budget: past it
     /// the fullest worker's oldest blocks go, whatever the caches hold.
@@ -275,6 +278,7 @@ impl PrefixIndex {
             trail_start: Vec::new(),
             trail_walks: Vec::new(),
             trail_walk: 0,
+            walked_blocks: (0, 0),
             trail_live: false,
             entry_budget: None,
             #[cfg(test)]
@@ -465,6 +469,7 @@ impl PrefixIndex {
         host_only: Option<&mut Vec<usize>>,
     ) -> Walk<'a> {
         self.walk_blocks(hashes, overlaps, host_only);
+        self.walked_blocks = (hashes.as_ptr() as usize, hashes.len());
         Walk {
             hashes,
             walk: self.trail_walk,
@@ -762,7 +767,10 @@ impl PrefixIndex {
     /// is what makes that safe: they cannot have changed since, and a walk
     /// of other blocks is not one this accepts.
     pub fn insert_walked(&mut self, worker: WorkerId, walk: Walk<'_>) -> usize {
-        let latest = walk.walk == self.trail_walk;
+        // This index's latest walk, of these very blocks (a walk of another
+        // index may carry the same stamp; it did not walk this slice).
+        let latest =
+            walk.walk == self.trail_walk && self.walked_blocks == (walk.hashes.as_ptr() as usize, walk.hashes.len());
         self.insert_blocks(worker, walk.hashes, latest)
     }
 

@@ -423,3 +423,39 @@ fn a_prefix_every_worker_holds_is_walked_once_for_all() {
         "{steps} per-worker steps for {SHARED} blocks held by {WORKERS} workers"
     );
 }
+
+/// A placement trusts only its own index's latest walk of the very blocks
+/// placed: a walk of another index, with the same stamp, is placed as a
+/// plain insert (the run it describes is another index's).
+#[test]
+fn a_walk_of_another_index_is_not_trusted() {
+    // `y` differs from `x` in its first ten blocks only: a placement of
+    // `y` that trusted a walk of `x` would take `x`'s nodes for them.
+    let x: Vec<u64> = (1_000..1_040).collect();
+    let y: Vec<u64> = (5_000..5_010).chain(1_010..1_040).collect();
+    let mut index = PrefixIndex::new();
+    let mut other = PrefixIndex::new();
+    for i in [&mut index, &mut other] {
+        i.add_worker(60);
+        i.insert(WorkerId(0), &y);
+        i.insert(WorkerId(0), &x);
+    }
+    let mut plain = index.clone();
+    let mut overlaps = Vec::new();
+    // `index` walks `x`, its worker's run in order; `other` walks `y` as
+    // often, so its stamp is the same.
+    let _ = index.overlaps_by_tier(&x, &mut overlaps, None);
+    let foreign = other.overlaps_by_tier(&y, &mut overlaps, None);
+    index.insert_walked(WorkerId(0), foreign);
+    plain.insert(WorkerId(0), &y);
+    assert_eq!(
+        index.blocks_oldest_first(WorkerId(0)),
+        plain.blocks_oldest_first(WorkerId(0))
+    );
+    for blocks in [&x, &y] {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        index.overlaps(blocks, &mut a);
+        plain.overlaps(blocks, &mut b);
+        assert_eq!(a, b);
+    }
+}

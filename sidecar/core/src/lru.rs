@@ -24,6 +24,16 @@ fn is_live<K: Hash + Eq, V>(entries: &HashMap<K, (u64, V)>, stamp: u64, key: &K)
     entries.get(key).is_some_and(|(s, _)| *s == stamp)
 }
 
+/// The room to shrink a table of `capacity` holding `live` entries to, when
+/// it is far larger than they need (more than four times, and past a
+/// floor): twice the live entries, so that shrinking costs amortised O(1)
+/// per removal and the table can grow back without rehashing at once. The
+/// one rule for every bounded table of the core (see `LruMap::shrink`).
+pub(crate) fn shrunk_room(capacity: usize, live: usize) -> Option<usize> {
+    const FLOOR: usize = 1024;
+    (capacity > FLOOR && capacity > 4 * live).then(|| (2 * live).max(FLOOR / 2))
+}
+
 /// A map of at most `capacity` entries, ordered by last insert or touch.
 #[derive(Debug, Clone)]
 pub struct LruMap<K, V> {
@@ -491,13 +501,11 @@ impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
     /// Shrinking at a quarter to half keeps the cost amortised O(1) per
     /// removal and leaves room to grow back without rehashing at once.
     fn shrink(&mut self) {
-        const FLOOR: usize = 1024;
-        let live = self.entries.len();
-        if self.entries.capacity() > FLOOR && self.entries.capacity() > 4 * live {
-            self.entries.shrink_to((2 * live).max(FLOOR / 2));
+        if let Some(room) = shrunk_room(self.entries.capacity(), self.entries.len()) {
+            self.entries.shrink_to(room);
             let entries = &self.entries;
             self.order.retain_all(|(stamp, key)| is_live(entries, *stamp, key));
-            self.order.shrink_to((2 * live).max(FLOOR / 2));
+            self.order.shrink_to(room);
         }
     }
 

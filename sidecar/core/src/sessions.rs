@@ -21,7 +21,7 @@ use hashbrown::HashMap;
 
 use crate::WorkerId;
 use crate::lineage::{MAX_TRACE_CARRIERS, TraceCarriers, TraceId};
-use crate::lru::LruMap;
+use crate::lru::{LruMap, shrunk_room};
 use crate::retention::Follow;
 
 /// A live session, interned: its slot in the store and the slot's
@@ -36,7 +36,6 @@ pub struct SessionId {
 /// Everything routing keeps of one live session.
 #[derive(Debug, Clone)]
 struct Record {
-    generation: u32,
     name: Arc<str>,
     home: WorkerId,
     last_seen_ms: u64,
@@ -109,16 +108,26 @@ impl SessionStore {
     /// The live session named `session`.
     pub fn find(&self, session: &str) -> Option<SessionId> {
         let &slot = self.slots.get(session)?;
-        let generation = self.records.get(&slot)?.generation;
-        Some(SessionId { slot, generation })
+        Some(self.id_of(slot))
+    }
+
+    /// The id of the session in `slot` now (a slot's generation changes
+    /// only when its session ends).
+    fn id_of(&self, slot: u32) -> SessionId {
+        let generation = self.generations.get(slot as usize).copied().unwrap_or(0);
+        SessionId { slot, generation }
     }
 
     fn record(&self, id: SessionId) -> Option<&Record> {
-        self.records.get(&id.slot).filter(|r| r.generation == id.generation)
+        (self.id_of(id.slot) == id)
+            .then(|| self.records.get(&id.slot))
+            .flatten()
     }
 
     fn record_mut(&mut self, id: SessionId) -> Option<&mut Record> {
-        self.records.get_mut(&id.slot).filter(|r| r.generation == id.generation)
+        (self.id_of(id.slot) == id)
+            .then(|| self.records.get_mut(&id.slot))
+            .flatten()
     }
 
     /// The session's name.
@@ -213,7 +222,6 @@ impl SessionStore {
         let id = self.allocate();
         let name: Arc<str> = Arc::from(session);
         let record = Record {
-            generation: id.generation,
             name: name.clone(),
             home,
             last_seen_ms: now_ms,
@@ -252,8 +260,7 @@ impl SessionStore {
             self.generations.push(0);
             u32::try_from(self.generations.len() - 1).unwrap_or(u32::MAX)
         });
-        let generation = self.generations.get(slot as usize).copied().unwrap_or(0);
-        SessionId { slot, generation }
+        self.id_of(slot)
     }
 
     /// The slot's session ended: a later session takes it under another
@@ -269,10 +276,8 @@ impl SessionStore {
     /// its follow is handed back (what retention learns from a session's
     /// end).
     fn forget(&mut self, slot: u32, gone: Record) -> Option<Follow> {
-        let id = SessionId {
-            slot,
-            generation: gone.generation,
-        };
+        // Before the slot is released: the generation is still the record's.
+        let id = self.id_of(slot);
         self.slots.remove(&gone.name);
         self.shrink();
         self.count(gone.home, -1);
@@ -289,10 +294,8 @@ impl SessionStore {
     /// Gives the name table's memory back after a wave of sessions ended
     /// (as `LruMap` does for the records).
     fn shrink(&mut self) {
-        const FLOOR: usize = 1024;
-        let live = self.slots.len();
-        if self.slots.capacity() > FLOOR && self.slots.capacity() > 4 * live {
-            self.slots.shrink_to((2 * live).max(FLOOR / 2));
+        if let Some(room) = shrunk_room(self.slots.capacity(), self.slots.len()) {
+            self.slots.shrink_to(room);
             self.free.shrink_to(self.generations.len() / 2);
         }
     }
@@ -356,10 +359,7 @@ impl SessionStore {
             .records
             .iter()
             .filter(|(_, r)| r.home == worker)
-            .map(|(&slot, r)| SessionId {
-                slot,
-                generation: r.generation,
-            })
+            .map(|(&slot, _)| self.id_of(slot))
             .collect();
         for id in gone {
             self.end(id);

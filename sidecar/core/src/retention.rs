@@ -323,12 +323,23 @@ impl RetentionValues {
 
     /// The chance a resident comes back to its blocks, at `now_ms`.
     fn p_return(&self, r: &Resident, now_ms: u64) -> f64 {
+        self.p_return_by(r, now_ms, |class| self.histogram(class))
+    }
+
+    /// `p_return`, with the resident's class's histogram from `histogram`
+    /// (asked only when the learned chance is what decides).
+    fn p_return_by<'a>(
+        &'a self,
+        r: &'a Resident,
+        now_ms: u64,
+        histogram: impl FnOnce(&'a Class) -> &'a GapHistogram,
+    ) -> f64 {
         if r.dead {
             0.0
         } else if now_ms < r.declared_until_ms {
             1.0
         } else {
-            self.histogram(&r.class).p_return(now_ms.saturating_sub(r.last_seen_ms))
+            histogram(&r.class).p_return(now_ms.saturating_sub(r.last_seen_ms))
         }
     }
 
@@ -514,19 +525,14 @@ impl RetentionValues {
         let valued = residents
             .iter()
             .map(|(_, r)| {
-                let p = if r.dead || now_ms < r.declared_until_ms {
-                    self.p_return(r, now_ms)
-                } else {
-                    let histogram = match last {
-                        Some((class, h)) if *class == r.class => h,
-                        _ => {
-                            let h = self.histogram(&r.class);
-                            last = Some((&r.class, h));
-                            h
-                        }
-                    };
-                    histogram.p_return(now_ms.saturating_sub(r.last_seen_ms))
-                };
+                let p = self.p_return_by(r, now_ms, |class| match last {
+                    Some((seen, h)) if seen == class => h,
+                    _ => {
+                        let h = self.histogram(class);
+                        last = Some((class, h));
+                        h
+                    }
+                });
                 r.blocks as f64 * p
             })
             .sum();

@@ -221,9 +221,6 @@ pub struct PrefixIndex {
     /// of the same request finds them already in order, and moves them as
     /// one run without reading them again.
     trail_linked: usize,
-    /// The placement's share of `trail_linked`: `placed[i]` for `i` in this
-    /// range is linked so to `placed[i + 1]` (set by `walked_prefix`).
-    placed_linked: std::ops::Range<usize>,
     trail_worker: u32,
     trail_from: usize,
     trail_start: Vec<u32>,
@@ -272,7 +269,6 @@ impl PrefixIndex {
             placed: Vec::new(),
             trail: Vec::new(),
             trail_linked: 0,
-            placed_linked: 0..0,
             trail_worker: NIL,
             trail_from: 0,
             trail_start: Vec::new(),
@@ -786,9 +782,7 @@ impl PrefixIndex {
         // against its block, so a walk of other blocks is never used).
         let mut placed = std::mem::take(&mut self.placed);
         placed.clear();
-        self.placed_linked = 0..0;
-        self.walked_prefix(w, hashes, &mut placed);
-        let linked = std::mem::replace(&mut self.placed_linked, 0..0);
+        let linked = self.walked_prefix(w, hashes, &mut placed);
         let linked = if walked { linked } else { 0..0 };
         self.follow(worker_u32, &hashes[placed.len()..], &mut placed);
         // Backward: touch or create each block, last first (so the first
@@ -1066,14 +1060,17 @@ impl PrefixIndex {
     /// since): its first node, the nodes its successor links lead to while
     /// other workers still matched, and the nodes recorded once it walked
     /// alone. The placement checks each against its block as it reads it,
-    /// so a walk of other blocks is never trusted.
-    fn walked_prefix(&mut self, w: usize, hashes: &[u64], placed: &mut Vec<u32>) {
+    /// so a walk of other blocks is never trusted. Returns the indexes `i`
+    /// of `placed` whose node the walk found already linked to
+    /// `placed[i + 1]` (see `trail_linked`), for a placement handed the
+    /// walk itself to move whole.
+    fn walked_prefix(&mut self, w: usize, hashes: &[u64], placed: &mut Vec<u32>) -> std::ops::Range<usize> {
         if !std::mem::replace(&mut self.trail_live, false) || self.trail_walks[w] != self.trail_walk {
-            return;
+            return 0..0;
         }
         let run = (self.last_match[w] as usize + 1).min(hashes.len());
         if run == 0 {
-            return;
+            return 0..0;
         }
         placed.push(self.trail_start[w]);
         let alone_from = if self.trail_worker == w as u32 {
@@ -1084,10 +1081,11 @@ impl PrefixIndex {
         self.follow(w as u32, &hashes[1..alone_from], placed);
         let recorded = self.trail.len().min(run - alone_from);
         placed.extend_from_slice(&self.trail[..recorded]);
-        if self.trail_worker == w as u32 {
-            let linked = self.trail_linked.min(recorded.saturating_sub(1));
-            self.placed_linked = alone_from..alone_from + linked;
+        if self.trail_worker != w as u32 {
+            return 0..0;
         }
+        let linked = self.trail_linked.min(recorded.saturating_sub(1));
+        alone_from..alone_from + linked
     }
 
     /// Moves the run of worker `w`'s GPU nodes from `first` (the newest

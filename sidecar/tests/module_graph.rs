@@ -9,6 +9,8 @@
 //! placed on purpose.
 #![allow(clippy::unwrap_used)] // reading its own source tree: failing loudly is the point
 
+mod source_tree;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -44,14 +46,9 @@ const IO: &[&str] = &[
 type Graph = BTreeMap<String, BTreeSet<String>>;
 
 /// Source with `//` comments removed (a doc line naming `crate::x` is no
-/// import). A `//` inside a string literal cuts the rest of its line too,
-/// which can only hide a reference on that line, never invent one.
+/// import; see `source_tree::code_of`).
 fn code(source: &str) -> String {
-    source
-        .lines()
-        .map(|line| line.find("//").map_or(line, |at| &line[..at]))
-        .collect::<Vec<_>>()
-        .join("\n")
+    source.lines().map(source_tree::code_of).collect::<Vec<_>>().join("\n")
 }
 
 fn ident(text: &str) -> &str {

@@ -63,6 +63,12 @@ pub(crate) struct Options {
     /// Only the first wave: no expiry wait, no second wave.
     #[arg(long)]
     one_wave: bool,
+    /// Waves after the second, each after the one before expired, run as
+    /// the second is (first calls, then a steady phase): whether RSS
+    /// keeps growing wave after wave or settles. Their Picks are counted
+    /// in one row, not in the goal's phases.
+    #[arg(long, default_value_t = 0)]
+    later_waves: u64,
     /// The pages of the fetch loop, fetched in turn: a subset tells which
     /// page's work delays the Picks.
     #[arg(long, value_delimiter = ',', default_values_t = PAGES.map(str::to_owned))]
@@ -103,9 +109,19 @@ enum Phase {
     Fetch = 2,
     Wave2Warm = 3,
     Wave2 = 4,
+    LaterWarm = 5,
+    Later = 6,
 }
 
-const PHASES: [Phase; 5] = [Phase::Warm, Phase::Steady, Phase::Fetch, Phase::Wave2Warm, Phase::Wave2];
+const PHASES: [Phase; 7] = [
+    Phase::Warm,
+    Phase::Steady,
+    Phase::Fetch,
+    Phase::Wave2Warm,
+    Phase::Wave2,
+    Phase::LaterWarm,
+    Phase::Later,
+];
 
 impl Phase {
     fn name(self) -> &'static str {
@@ -115,6 +131,8 @@ impl Phase {
             Self::Fetch => "wave 1: steady + fetch loop",
             Self::Wave2Warm => "wave 2: first calls",
             Self::Wave2 => "wave 2: steady",
+            Self::LaterWarm => "later waves: first calls",
+            Self::Later => "later waves: steady",
         }
     }
 }
@@ -216,6 +234,8 @@ struct RunSummary {
     rss_expired_kib: u64,
     rss_wave2_kib: u64,
     hwm_wave2_kib: u64,
+    /// Each later wave's RSS after the one before expired, and at its end.
+    rss_later_kib: Vec<(u64, u64)>,
 }
 
 pub(crate) async fn run(options: Options) -> anyhow::Result<()> {
@@ -389,7 +409,7 @@ async fn drive(
                 let answered = Instant::now();
                 let sent = pending.lock().ok().and_then(|mut p| p.remove(&reply.request_id));
                 let Some(sent) = sent else { continue };
-                if matches!(sent.phase, Phase::Warm | Phase::Wave2Warm) {
+                if matches!(sent.phase, Phase::Warm | Phase::Wave2Warm | Phase::LaterWarm) {
                     window.add_permits(1);
                 }
                 if let Ok(mut samples) = samples.lock() {
@@ -530,6 +550,20 @@ async fn drive(
         summary.rss_wave2_kib = rss;
         summary.hwm_wave2_kib = hwm;
         print_sizes(&http, admin, "end of wave 2").await;
+        for wave in 3..3 + options.later_waves {
+            tokio::time::sleep(Duration::from_secs(ttl_secs + EXPIRY_TICK_SECS + 2)).await;
+            let expired = memory_kib(pid).unwrap_or_default().0;
+            driver.warm(wave, sessions, Phase::LaterWarm).await?;
+            settle(&http, admin, outcomes_sent.load(Ordering::Relaxed)).await;
+            let mut calls = vec![0u64; sessions];
+            driver
+                .steady(wave, &mut calls, options.rate, length, &mut seed, Phase::Later)
+                .await?;
+            summary
+                .rss_later_kib
+                .push((expired, memory_kib(pid).unwrap_or_default().0));
+            print_sizes(&http, admin, &format!("end of wave {wave}")).await;
+        }
     }
     // The last replies.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -557,7 +591,7 @@ async fn drive(
             Phase::Steady => Some((steady_started, steady_ended)),
             Phase::Fetch => Some((fetch_started, fetch_ended)),
             Phase::Wave2 => wave2_window,
-            Phase::Warm | Phase::Wave2Warm => None,
+            Phase::Warm | Phase::Wave2Warm | Phase::LaterWarm | Phase::Later => None,
         };
         let mut waited: Vec<Duration> = samples.iter().filter(|s| s.phase == p).map(|s| s.waited).collect();
         if waited.is_empty() {
@@ -613,7 +647,12 @@ async fn drive(
     let scrapes = scrapes.lock().map(|s| s.clone()).unwrap_or_default();
     let mut stalls: Vec<&Sample> = samples
         .iter()
-        .filter(|s| !matches!(s.phase, Phase::Warm | Phase::Wave2Warm) && s.waited > STALL)
+        .filter(|s| {
+            !matches!(
+                s.phase,
+                Phase::Warm | Phase::Wave2Warm | Phase::LaterWarm | Phase::Later
+            ) && s.waited > STALL
+        })
         .collect();
     stalls.sort_by_key(|s| s.answered);
     let mut bursts: Vec<(Instant, Duration, usize)> = Vec::new();
@@ -658,6 +697,14 @@ async fn drive(
         mib(summary.rss_wave2_kib),
         mib(summary.hwm_wave2_kib)
     );
+    for (i, (expired, rss)) in summary.rss_later_kib.iter().enumerate() {
+        println!(
+            "  RSS: wave {}: after expiry {:.0} MiB, at its end {:.0} MiB",
+            i + 3,
+            mib(*expired),
+            mib(*rss)
+        );
+    }
     Ok(summary)
 }
 

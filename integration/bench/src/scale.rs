@@ -135,6 +135,16 @@ impl Phase {
             Self::Later => "later waves: steady",
         }
     }
+
+    /// Each session's first call, sent through the warm window.
+    fn first_calls(self) -> bool {
+        matches!(self, Self::Warm | Self::Wave2Warm | Self::LaterWarm)
+    }
+
+    /// A phase the goals are measured on (stall bursts are counted there).
+    fn measured(self) -> bool {
+        matches!(self, Self::Steady | Self::Fetch | Self::Wave2)
+    }
 }
 
 /// One Pick on the wire, awaiting its reply.
@@ -409,7 +419,7 @@ async fn drive(
                 let answered = Instant::now();
                 let sent = pending.lock().ok().and_then(|mut p| p.remove(&reply.request_id));
                 let Some(sent) = sent else { continue };
-                if matches!(sent.phase, Phase::Warm | Phase::Wave2Warm | Phase::LaterWarm) {
+                if sent.phase.first_calls() {
                     window.add_permits(1);
                 }
                 if let Ok(mut samples) = samples.lock() {
@@ -647,12 +657,7 @@ async fn drive(
     let scrapes = scrapes.lock().map(|s| s.clone()).unwrap_or_default();
     let mut stalls: Vec<&Sample> = samples
         .iter()
-        .filter(|s| {
-            !matches!(
-                s.phase,
-                Phase::Warm | Phase::Wave2Warm | Phase::LaterWarm | Phase::Later
-            ) && s.waited > STALL
-        })
+        .filter(|s| s.phase.measured() && s.waited > STALL)
         .collect();
     stalls.sort_by_key(|s| s.answered);
     let mut bursts: Vec<(Instant, Duration, usize)> = Vec::new();

@@ -537,42 +537,41 @@ async fn drive(
     let mut warm2_took = Duration::ZERO;
     let mut settled2 = Duration::ZERO;
     if !options.one_wave {
-        // Wave 1 expires: its last call was just now, and the sidecar ends
-        // sessions on a 10 s tick.
-        tokio::time::sleep(Duration::from_secs(ttl_secs + EXPIRY_TICK_SECS + 2)).await;
-        summary.rss_expired_kib = memory_kib(pid).unwrap_or_default().0;
-        let metrics = http.get(format!("http://{admin}/metrics")).send().await?.text().await?;
-        println!(
-            "  after expiry: kvmesh_sessions {} , kvmesh_index_entries {}",
-            gauge(&metrics, "kvmesh_sessions").unwrap_or(f64::NAN),
-            gauge(&metrics, "kvmesh_index_entries").unwrap_or(f64::NAN)
-        );
-        print_sizes(&http, admin, "after expiry").await;
-        warm2_took = driver.warm(2, sessions, Phase::Wave2Warm).await?;
-        settled2 = settle(&http, admin, outcomes_sent.load(Ordering::Relaxed)).await;
-        let mut calls2 = vec![0u64; sessions];
-        let started = Instant::now();
-        driver
-            .steady(2, &mut calls2, options.rate, length, &mut seed, Phase::Wave2)
-            .await?;
-        wave2_window = Some((started, Instant::now()));
-        let (rss, hwm) = memory_kib(pid).unwrap_or_default();
-        summary.rss_wave2_kib = rss;
-        summary.hwm_wave2_kib = hwm;
-        print_sizes(&http, admin, "end of wave 2").await;
-        for wave in 3..3 + options.later_waves {
+        // Each wave after the first, once the one before expired: its last
+        // call was just now, and the sidecar ends sessions on a 10 s tick.
+        for wave in 2..3 + options.later_waves {
+            let (warm_phase, phase) = if wave == 2 {
+                (Phase::Wave2Warm, Phase::Wave2)
+            } else {
+                (Phase::LaterWarm, Phase::Later)
+            };
             tokio::time::sleep(Duration::from_secs(ttl_secs + EXPIRY_TICK_SECS + 2)).await;
             let expired = memory_kib(pid).unwrap_or_default().0;
-            driver.warm(wave, sessions, Phase::LaterWarm).await?;
-            settle(&http, admin, outcomes_sent.load(Ordering::Relaxed)).await;
+            let metrics = http.get(format!("http://{admin}/metrics")).send().await?.text().await?;
+            println!(
+                "  after expiry: kvmesh_sessions {} , kvmesh_index_entries {}",
+                gauge(&metrics, "kvmesh_sessions").unwrap_or(f64::NAN),
+                gauge(&metrics, "kvmesh_index_entries").unwrap_or(f64::NAN)
+            );
+            print_sizes(&http, admin, "after expiry").await;
+            let warm_took = driver.warm(wave, sessions, warm_phase).await?;
+            let settled = settle(&http, admin, outcomes_sent.load(Ordering::Relaxed)).await;
             let mut calls = vec![0u64; sessions];
+            let started = Instant::now();
             driver
-                .steady(wave, &mut calls, options.rate, length, &mut seed, Phase::Later)
+                .steady(wave, &mut calls, options.rate, length, &mut seed, phase)
                 .await?;
-            summary
-                .rss_later_kib
-                .push((expired, memory_kib(pid).unwrap_or_default().0));
+            let window = (started, Instant::now());
+            let (rss, hwm) = memory_kib(pid).unwrap_or_default();
             print_sizes(&http, admin, &format!("end of wave {wave}")).await;
+            if wave == 2 {
+                (warm2_took, settled2, wave2_window) = (warm_took, settled, Some(window));
+                summary.rss_expired_kib = expired;
+                summary.rss_wave2_kib = rss;
+                summary.hwm_wave2_kib = hwm;
+            } else {
+                summary.rss_later_kib.push((expired, rss));
+            }
         }
     }
     // The last replies.
